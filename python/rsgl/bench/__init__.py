@@ -1,0 +1,1 @@
+"""Benchmarks runnable as `rsgl bench NAME ...` or `python -m rsgl.bench NAME ...`."""

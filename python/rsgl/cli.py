@@ -1,0 +1,40 @@
+"""The `rsgl` command line: `rsgl serve ...` and `rsgl bench NAME ...`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Benchmark name -> module with a `main(argv: list[str]) -> int`.
+BENCHMARKS: dict[str, str] = {
+    "one-batch": "rsgl.bench.one_batch",
+}
+
+
+def run_bench(argv: list[str]) -> int:
+    """Dispatch `rsgl bench NAME ARGS...` to the benchmark module named NAME."""
+    if not argv or argv[0] not in BENCHMARKS:
+        names = ", ".join(sorted(BENCHMARKS))
+        print(f"usage: rsgl bench NAME [ARGS...]; NAME is one of: {names}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(BENCHMARKS[argv[0]])
+    return int(module.main(argv[1:]))
+
+
+def run_serve(argv: list[str]) -> int:
+    """Until the HTTP server lands, `serve` runs a short demo of the scheduling core."""
+    from rsgl.demo import main as demo_main
+
+    return demo_main(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `rsgl` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="rsgl", description="rsgl LLM serving engine")
+    parser.add_argument("command", choices=["serve", "bench"])
+    args, rest = parser.parse_known_args(argv[:1])
+    if args.command == "bench":
+        return run_bench(argv[1:])
+    return run_serve(argv[1:])
