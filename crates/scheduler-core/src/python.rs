@@ -1,0 +1,541 @@
+//! PyO3 bindings: `rsgl._core`. Converts types and errors; no scheduling logic lives here.
+//!
+//! Arrays cross as numpy int64 arrays built from the core's vectors without copying
+//! (`PyArray1::from_vec` takes ownership of the buffer).
+
+use numpy::{PyArray1, PyReadonlyArray1};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::policy::Policy;
+use crate::pool::TokenPool;
+use crate::radix::RadixTree;
+use crate::request::{FinishReason, SamplingLimits};
+use crate::scheduler::{AbortStatus, CoreError, Finished, Scheduler, SchedulerConfig};
+
+fn to_py_err(e: CoreError) -> PyErr {
+    match e {
+        CoreError::InvalidRequest(m) => PyValueError::new_err(m),
+        CoreError::Protocol(m) => PyRuntimeError::new_err(m),
+    }
+}
+
+/// Token ids from a numpy integer array or any sequence of ints, checked to fit `u32`.
+fn extract_tokens(obj: &Bound<'_, PyAny>, field: &str) -> PyResult<Vec<u32>> {
+    let check = |v: i64| {
+        u32::try_from(v)
+            .map_err(|_| PyValueError::new_err(format!("{field}: invalid token id {v}")))
+    };
+    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
+        return a.as_array().iter().map(|&v| check(v)).collect();
+    }
+    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
+        return a.as_array().iter().map(|&v| check(v as i64)).collect();
+    }
+    let values: Vec<i64> = obj
+        .extract()
+        .map_err(|_| PyValueError::new_err(format!("{field} must be a sequence of token ids")))?;
+    values.into_iter().map(check).collect()
+}
+
+/// int64 values from a numpy array (zero-copy when contiguous int64) or a sequence.
+fn extract_i64(obj: &Bound<'_, PyAny>, field: &str) -> PyResult<Vec<i64>> {
+    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
+        return Ok(a.as_array().to_vec());
+    }
+    obj.extract()
+        .map_err(|_| PyValueError::new_err(format!("{field} must be a sequence of ints")))
+}
+
+fn array<'py>(py: Python<'py>, v: Vec<i64>) -> Py<PyArray1<i64>> {
+    PyArray1::from_vec(py, v).unbind()
+}
+
+/// A finished request as a commit reports it.
+#[pyclass(module = "rsgl._core", name = "Finished", frozen, get_all)]
+pub struct PyFinished {
+    /// Request id.
+    rid: u64,
+    /// SGLang's `finish_reason` dict: `{"type": "stop", "matched": id or str}`,
+    /// `{"type": "length", "length": n}` or `{"type": "abort", "message": str}`.
+    finish_reason: Py<PyDict>,
+    /// Prompt length.
+    prompt_tokens: usize,
+    /// Committed output tokens.
+    completion_tokens: usize,
+    /// Prompt tokens served from the prefix cache.
+    cached_tokens: usize,
+}
+
+#[pymethods]
+impl PyFinished {
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!(
+            "Finished(rid={}, finish_reason={}, completion_tokens={})",
+            self.rid,
+            self.finish_reason.bind(py),
+            self.completion_tokens
+        )
+    }
+}
+
+fn finished_to_py(py: Python<'_>, f: Finished) -> PyResult<Py<PyFinished>> {
+    let reason = PyDict::new(py);
+    reason.set_item("type", f.reason.kind())?;
+    match f.reason {
+        FinishReason::Length(n) => reason.set_item("length", n)?,
+        FinishReason::StopToken(t) => reason.set_item("matched", t)?,
+        FinishReason::StopString(s) => reason.set_item("matched", s)?,
+        FinishReason::Abort(m) => reason.set_item("message", m)?,
+    }
+    Py::new(
+        py,
+        PyFinished {
+            rid: f.rid,
+            finish_reason: reason.unbind(),
+            prompt_tokens: f.prompt_tokens,
+            completion_tokens: f.completion_tokens,
+            cached_tokens: f.cached_tokens,
+        },
+    )
+}
+
+fn finished_list(py: Python<'_>, v: Vec<Finished>) -> PyResult<Vec<Py<PyFinished>>> {
+    v.into_iter().map(|f| finished_to_py(py, f)).collect()
+}
+
+/// One step's work (see the Rust `Plan` docs): per-request and per-token int64 arrays.
+#[pyclass(module = "rsgl._core", name = "Plan", frozen, get_all)]
+pub struct PyPlan {
+    /// Sequence number; pass it to `commit`.
+    id: u64,
+    /// "extend", "decode", "mixed" or "idle".
+    forward_mode: &'static str,
+    /// Requests in the batch; the first `num_extends` extend, the rest decode.
+    batch_size: usize,
+    num_extends: usize,
+    /// Tokens computed this step.
+    num_tokens: usize,
+    rids: Py<PyArray1<i64>>,
+    req_slots: Py<PyArray1<i64>>,
+    prefix_lens: Py<PyArray1<i64>>,
+    extend_lens: Py<PyArray1<i64>>,
+    seq_lens: Py<PyArray1<i64>>,
+    sample: Py<PyArray1<bool>>,
+    input_ids: Py<PyArray1<i64>>,
+    positions: Py<PyArray1<i64>>,
+    out_cache_loc: Py<PyArray1<i64>>,
+    write_rows: Py<PyArray1<i64>>,
+    write_cols: Py<PyArray1<i64>>,
+    write_slots: Py<PyArray1<i64>>,
+    admitted: Py<PyArray1<i64>>,
+    retracted: Py<PyArray1<i64>>,
+    aborted: Vec<Py<PyFinished>>,
+}
+
+#[pymethods]
+impl PyPlan {
+    fn __repr__(&self) -> String {
+        format!(
+            "Plan(id={}, forward_mode={:?}, batch_size={}, num_tokens={})",
+            self.id, self.forward_mode, self.batch_size, self.num_tokens
+        )
+    }
+}
+
+/// What a commit produced.
+#[pyclass(module = "rsgl._core", name = "Outcome", frozen, get_all)]
+pub struct PyOutcome {
+    /// Requests that received a token, aligned with `tokens`.
+    rids: Py<PyArray1<i64>>,
+    tokens: Py<PyArray1<i64>>,
+    /// Requests that finished (or whose deferred abort completed).
+    finished: Vec<Py<PyFinished>>,
+}
+
+/// The scheduling core: one instance per model replica.
+#[pyclass(module = "rsgl._core", name = "Scheduler")]
+pub struct PyScheduler {
+    inner: Scheduler,
+}
+
+#[pymethods]
+impl PyScheduler {
+    #[new]
+    #[pyo3(signature = (
+        max_total_tokens, *, page_size=1, max_running_requests=256, context_len=8192,
+        max_prefill_tokens=16384, chunked_prefill_size=Some(8192), schedule_policy="fcfs",
+        schedule_conservativeness=1.0, disable_radix_cache=false, enable_mixed_chunk=false,
+        priority_preemption_threshold=10, low_priority_values_first=false,
+        eos_token_ids=Vec::new(), seed=0
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        max_total_tokens: usize,
+        page_size: usize,
+        max_running_requests: usize,
+        context_len: usize,
+        max_prefill_tokens: usize,
+        chunked_prefill_size: Option<i64>,
+        schedule_policy: &str,
+        schedule_conservativeness: f64,
+        disable_radix_cache: bool,
+        enable_mixed_chunk: bool,
+        priority_preemption_threshold: i64,
+        low_priority_values_first: bool,
+        eos_token_ids: Vec<u32>,
+        seed: u64,
+    ) -> PyResult<Self> {
+        let policy: Policy = schedule_policy.parse().map_err(PyValueError::new_err)?;
+        let cfg = SchedulerConfig {
+            max_total_tokens,
+            page_size,
+            max_running_requests,
+            context_len,
+            max_prefill_tokens,
+            // SGLang: -1 (or any value <= 0) disables chunked prefill.
+            chunked_prefill_size: chunked_prefill_size.filter(|&c| c > 0).map(|c| c as usize),
+            policy,
+            schedule_conservativeness,
+            disable_radix_cache,
+            enable_mixed_chunk,
+            priority_preemption_threshold,
+            low_priority_values_first,
+            eos_token_ids,
+            seed,
+        };
+        Ok(Self {
+            inner: Scheduler::new(cfg).map_err(to_py_err)?,
+        })
+    }
+
+    /// Queues a request; raises ValueError (nothing queued) for a prompt that can never run.
+    #[pyo3(signature = (
+        rid, input_ids, max_new_tokens=128, *, min_new_tokens=0, stop_token_ids=Vec::new(),
+        ignore_eos=false, priority=0
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn add_request(
+        &mut self,
+        rid: u64,
+        input_ids: &Bound<'_, PyAny>,
+        max_new_tokens: i64,
+        min_new_tokens: i64,
+        stop_token_ids: Vec<u32>,
+        ignore_eos: bool,
+        priority: i64,
+    ) -> PyResult<()> {
+        if max_new_tokens < 1 {
+            return Err(PyValueError::new_err(format!(
+                "max_new_tokens must be at least 1, got {max_new_tokens}"
+            )));
+        }
+        if min_new_tokens < 0 {
+            return Err(PyValueError::new_err(format!(
+                "min_new_tokens must be non-negative, got {min_new_tokens}"
+            )));
+        }
+        let prompt = extract_tokens(input_ids, "input_ids")?;
+        let limits = SamplingLimits {
+            max_new_tokens: max_new_tokens as usize,
+            min_new_tokens: min_new_tokens as usize,
+            stop_token_ids,
+            ignore_eos,
+            priority,
+        };
+        self.inner
+            .add_request(rid, prompt, limits)
+            .map_err(to_py_err)
+    }
+
+    /// Plans the next step.
+    fn schedule(&mut self, py: Python<'_>) -> PyResult<PyPlan> {
+        let p = self.inner.schedule();
+        Ok(PyPlan {
+            id: p.id,
+            forward_mode: p.mode.name(),
+            batch_size: p.rids.len(),
+            num_extends: p.num_extends,
+            num_tokens: p.input_ids.len(),
+            rids: array(py, p.rids),
+            req_slots: array(py, p.req_slots),
+            prefix_lens: array(py, p.prefix_lens),
+            extend_lens: array(py, p.extend_lens),
+            seq_lens: array(py, p.seq_lens),
+            sample: PyArray1::from_vec(py, p.sample).unbind(),
+            input_ids: array(py, p.input_ids),
+            positions: array(py, p.positions),
+            out_cache_loc: array(py, p.out_cache_loc),
+            write_rows: array(py, p.write_rows),
+            write_cols: array(py, p.write_cols),
+            write_slots: array(py, p.write_slots),
+            admitted: array(py, p.admitted),
+            retracted: array(py, p.retracted),
+            aborted: finished_list(py, p.aborted)?,
+        })
+    }
+
+    /// Applies a step's sampled tokens (one per request of the plan, in plan order).
+    fn commit(
+        &mut self,
+        py: Python<'_>,
+        plan_id: u64,
+        next_token_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<PyOutcome> {
+        let tokens = extract_i64(next_token_ids, "next_token_ids")?;
+        let out = self.inner.commit(plan_id, &tokens).map_err(to_py_err)?;
+        Ok(PyOutcome {
+            rids: array(py, out.rids),
+            tokens: array(py, out.tokens),
+            finished: finished_list(py, out.finished)?,
+        })
+    }
+
+    /// Aborts a request: returns "removed" (released now), "deferred" (a later commit reports
+    /// it) or "unknown".
+    #[pyo3(signature = (rid, message="aborted by the client".to_string()))]
+    fn abort(&mut self, rid: u64, message: String) -> &'static str {
+        match self.inner.abort(rid, message) {
+            AbortStatus::Removed => "removed",
+            AbortStatus::Deferred => "deferred",
+            AbortStatus::Unknown => "unknown",
+        }
+    }
+
+    /// Finishes a request whose stop string Python found; false if unknown or finished.
+    fn finish(&mut self, rid: u64, matched: String) -> bool {
+        self.inner.finish(rid, matched)
+    }
+
+    /// Empties the prefix cache; only possible when nothing is queued, running or in flight.
+    fn flush_cache(&mut self) -> bool {
+        self.inner.flush_cache()
+    }
+
+    /// Raises RuntimeError describing the first broken invariant, if any.
+    fn check(&self) -> PyResult<()> {
+        self.inner
+            .check()
+            .map_err(|m| PyRuntimeError::new_err(format!("integrity check failed: {m}")))
+    }
+
+    /// Whether anything is queued, running or in flight.
+    #[getter]
+    fn has_work(&self) -> bool {
+        self.inner.has_work()
+    }
+
+    /// Rows the executor's K/V buffers need (slots `0..page_size` are padding).
+    #[getter]
+    fn kv_buffer_size(&self) -> usize {
+        self.inner.kv_buffer_size()
+    }
+
+    /// Longest prompt + output the pool and context allow.
+    #[getter]
+    fn max_req_len(&self) -> usize {
+        self.inner.max_req_len()
+    }
+
+    /// Load and counters as a dict.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.stats();
+        let c = &s.counters;
+        let d = PyDict::new(py);
+        let items: [(&str, f64); 23] = [
+            ("waiting", s.waiting as f64),
+            ("running", s.running as f64),
+            ("chunked", s.chunked as f64),
+            ("live", s.live as f64),
+            ("inflight_plans", s.inflight_plans as f64),
+            ("capacity", s.capacity as f64),
+            ("available", s.available as f64),
+            ("evictable", s.evictable as f64),
+            ("protected", s.protected as f64),
+            ("held", s.held as f64),
+            ("free_req_slots", s.free_req_slots as f64),
+            ("new_token_ratio", s.new_token_ratio),
+            ("requests", c.requests as f64),
+            ("prompt_tokens", c.prompt_tokens as f64),
+            ("cached_tokens", c.cached_tokens as f64),
+            ("generated_tokens", c.generated_tokens as f64),
+            ("retractions", c.retractions as f64),
+            ("preemptions", c.preemptions as f64),
+            ("aborts", c.aborts as f64),
+            ("finished", c.finished as f64),
+            ("extend_steps", c.extend_steps as f64),
+            ("decode_steps", c.decode_steps as f64),
+            ("mixed_steps", c.mixed_steps as f64),
+        ];
+        for (k, v) in items {
+            if k == "new_token_ratio" {
+                d.set_item(k, v)?;
+            } else {
+                d.set_item(k, v as u64)?;
+            }
+        }
+        Ok(d)
+    }
+
+    /// A live request's state (for tests and debugging), or None.
+    fn request_info<'py>(&self, py: Python<'py>, rid: u64) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(r) = self.inner.request(rid) else {
+            return Ok(None);
+        };
+        let d = PyDict::new(py);
+        d.set_item("state", format!("{:?}", r.state).to_lowercase())?;
+        d.set_item("output_ids", r.output.clone())?;
+        d.set_item("prompt_len", r.prompt.len())?;
+        d.set_item("max_new_tokens", r.limits.max_new_tokens)?;
+        d.set_item("kv_len", r.kv_len())?;
+        d.set_item("prefix_len", r.prefix_len)?;
+        d.set_item("req_slot", r.req_slot)?;
+        Ok(Some(d))
+    }
+}
+
+/// The radix prefix tree on its own (for benchmarks and tools); values are KV slots.
+#[pyclass(module = "rsgl._core", name = "RadixTree")]
+pub struct PyRadixTree {
+    inner: RadixTree,
+    scratch: Vec<u32>,
+}
+
+#[pymethods]
+impl PyRadixTree {
+    #[new]
+    #[pyo3(signature = (page_size=1, disabled=false))]
+    fn new(page_size: usize, disabled: bool) -> PyResult<Self> {
+        if page_size == 0 {
+            return Err(PyValueError::new_err("page_size must be at least 1"));
+        }
+        Ok(Self {
+            inner: RadixTree::new(page_size, disabled),
+            scratch: Vec::new(),
+        })
+    }
+
+    /// `(length, node, slots)` of the longest cached page-aligned prefix of `key`.
+    fn match_prefix(
+        &mut self,
+        py: Python<'_>,
+        key: PyReadonlyArray1<'_, u32>,
+    ) -> PyResult<(usize, u32, Py<PyArray1<u32>>)> {
+        let key = key
+            .as_slice()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let mut values = std::mem::take(&mut self.scratch);
+        values.clear();
+        let (n, node) = self.inner.match_prefix(key, &mut values);
+        Ok((n, node, PyArray1::from_vec(py, values).unbind()))
+    }
+
+    /// Inserts `key` (whole pages) with `values`; returns the length already present.
+    fn insert(
+        &mut self,
+        key: PyReadonlyArray1<'_, u32>,
+        values: PyReadonlyArray1<'_, u32>,
+    ) -> PyResult<usize> {
+        let key = key
+            .as_slice()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let values = values
+            .as_slice()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        if key.len() != values.len() || key.len() % self.inner.page_size() != 0 {
+            return Err(PyValueError::new_err(format!(
+                "insert needs equal, page-aligned key and values (got {} and {})",
+                key.len(),
+                values.len()
+            )));
+        }
+        Ok(self.inner.insert(key, values))
+    }
+
+    /// Protects a node's path from eviction.
+    fn lock(&mut self, node: u32) {
+        self.inner.lock(node)
+    }
+
+    /// Undoes one lock.
+    fn unlock(&mut self, node: u32) {
+        self.inner.unlock(node)
+    }
+
+    /// Evicts LRU leaves until `num_tokens` are freed; returns the freed slots.
+    fn evict(&mut self, py: Python<'_>, num_tokens: usize) -> Py<PyArray1<u32>> {
+        let mut freed = Vec::new();
+        self.inner.evict(num_tokens, &mut freed);
+        PyArray1::from_vec(py, freed).unbind()
+    }
+
+    #[getter]
+    fn evictable_size(&self) -> usize {
+        self.inner.evictable_size()
+    }
+
+    #[getter]
+    fn protected_size(&self) -> usize {
+        self.inner.protected_size()
+    }
+
+    /// Raises RuntimeError if the tree's structure or accounting is broken.
+    fn check(&self) -> PyResult<()> {
+        self.inner.check().map_err(PyRuntimeError::new_err)
+    }
+}
+
+/// The KV slot allocator on its own (for benchmarks and tools).
+#[pyclass(module = "rsgl._core", name = "TokenPool")]
+pub struct PyTokenPool {
+    inner: TokenPool,
+}
+
+#[pymethods]
+impl PyTokenPool {
+    #[new]
+    #[pyo3(signature = (num_tokens, page_size=1))]
+    fn new(num_tokens: usize, page_size: usize) -> PyResult<Self> {
+        if page_size == 0 {
+            return Err(PyValueError::new_err("page_size must be at least 1"));
+        }
+        Ok(Self {
+            inner: TokenPool::new(num_tokens, page_size),
+        })
+    }
+
+    /// Takes `n` slots, or returns None (taking nothing) if the pool is short.
+    fn alloc(&mut self, py: Python<'_>, n: usize) -> Option<Py<PyArray1<u32>>> {
+        self.inner
+            .alloc_tokens(n)
+            .map(|v| PyArray1::from_vec(py, v).unbind())
+    }
+
+    /// Returns slots (runs that start on page boundaries).
+    fn free(&mut self, slots: PyReadonlyArray1<'_, u32>) -> PyResult<()> {
+        let slots = slots
+            .as_slice()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        self.inner.free(slots);
+        Ok(())
+    }
+
+    #[getter]
+    fn available(&self) -> usize {
+        self.inner.available()
+    }
+}
+
+#[pymodule]
+#[pyo3(name = "_core")]
+fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyScheduler>()?;
+    m.add_class::<PyPlan>()?;
+    m.add_class::<PyOutcome>()?;
+    m.add_class::<PyFinished>()?;
+    m.add_class::<PyRadixTree>()?;
+    m.add_class::<PyTokenPool>()?;
+    m.add("FUTURE_TOKEN", crate::scheduler::FUTURE_TOKEN)?;
+    Ok(())
+}

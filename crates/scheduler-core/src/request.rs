@@ -1,0 +1,228 @@
+//! Request state: token ids, sampling limits, lifecycle and finish reasons.
+
+use crate::pool::Slot;
+use crate::radix::{NodeId, ROOT};
+
+/// Caller-chosen request id.
+pub type Rid = u64;
+
+/// Why a request finished.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FinishReason {
+    /// `max_new_tokens` (or the context / pool room) reached.
+    Length(usize),
+    /// A stop or EOS token was sampled.
+    StopToken(u32),
+    /// A stop string was found in the detokenized text (reported by Python).
+    StopString(String),
+    /// Aborted by the caller or by the scheduler, with a message.
+    Abort(String),
+}
+
+impl FinishReason {
+    /// SGLang's finish type: "length", "stop" or "abort".
+    pub fn kind(&self) -> &'static str {
+        match self {
+            FinishReason::Length(_) => "length",
+            FinishReason::StopToken(_) | FinishReason::StopString(_) => "stop",
+            FinishReason::Abort(_) => "abort",
+        }
+    }
+}
+
+/// Where a request is in its lifecycle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReqState {
+    /// In the waiting queue, never scheduled.
+    Waiting,
+    /// Being prefilled in chunks; resumed first by the next schedule.
+    Chunked,
+    /// In the running batch (decoding, or its last prefill step is in flight).
+    Running,
+    /// Evicted from the running batch under memory pressure; waits to re-prefill.
+    Retracted,
+    /// Finished; its slots are released once no in-flight step reads them.
+    Finished,
+}
+
+/// The sampling limits the core enforces (the rest of sampling lives in Python).
+#[derive(Debug, Clone, Default)]
+pub struct SamplingLimits {
+    /// Upper bound on output tokens (clamped on admission to the room the context and pool leave).
+    pub max_new_tokens: usize,
+    /// Stop tokens do not finish the request before this many outputs.
+    pub min_new_tokens: usize,
+    /// Extra stop tokens besides the model's EOS ids.
+    pub stop_token_ids: Vec<u32>,
+    /// Ignore the model's EOS ids (explicit `stop_token_ids` still stop).
+    pub ignore_eos: bool,
+    /// Larger is more important unless the scheduler is configured otherwise.
+    pub priority: i64,
+}
+
+/// One request as the core tracks it.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// Caller's id.
+    pub rid: Rid,
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Committed output token ids.
+    pub output: Vec<u32>,
+    /// Sampling limits.
+    pub limits: SamplingLimits,
+    /// Arrival order, for fcfs tie-breaks.
+    pub arrival: u64,
+    /// Lifecycle state.
+    pub state: ReqState,
+    /// Set once the request has finished (or was aborted).
+    pub finish: Option<FinishReason>,
+    /// Row of `req_to_token`, while the request holds one.
+    pub req_slot: Option<u32>,
+    /// The core's copy of the request's `req_to_token` row: KV slots of the tokens computed so
+    /// far (or being computed by in-flight steps).
+    pub kv_slots: Vec<Slot>,
+    /// Leading tokens of `kv_slots` owned by the radix tree (locked through `last_node`).
+    pub prefix_len: usize,
+    /// Deepest tree node of the cached prefix; locked while the request holds it.
+    pub last_node: NodeId,
+    /// Tokens sampled by in-flight steps and not yet committed.
+    pub pending_tokens: usize,
+    /// In-flight (scheduled, uncommitted) steps that include this request.
+    pub inflight_steps: usize,
+    /// Cached tokens found at first admission (reported to users as `cached_tokens`).
+    pub cached_tokens: usize,
+}
+
+impl Request {
+    /// A new waiting request.
+    pub fn new(rid: Rid, prompt: Vec<u32>, limits: SamplingLimits, arrival: u64) -> Self {
+        Self {
+            rid,
+            prompt,
+            output: Vec::new(),
+            limits,
+            arrival,
+            state: ReqState::Waiting,
+            finish: None,
+            req_slot: None,
+            kv_slots: Vec::new(),
+            prefix_len: 0,
+            last_node: ROOT,
+            pending_tokens: 0,
+            inflight_steps: 0,
+            cached_tokens: 0,
+        }
+    }
+
+    /// Committed tokens: prompt then output.
+    pub fn fill_len(&self) -> usize {
+        self.prompt.len() + self.output.len()
+    }
+
+    /// The `i`-th committed token of prompt + output.
+    pub fn token_at(&self, i: usize) -> u32 {
+        if i < self.prompt.len() {
+            self.prompt[i]
+        } else {
+            self.output[i - self.prompt.len()]
+        }
+    }
+
+    /// Prompt + output as one vector (for prefix matching and re-prefill).
+    pub fn fill_ids(&self) -> Vec<u32> {
+        let mut ids = Vec::with_capacity(self.fill_len());
+        ids.extend_from_slice(&self.prompt);
+        ids.extend_from_slice(&self.output);
+        ids
+    }
+
+    /// Tokens with KV computed or in flight.
+    pub fn kv_len(&self) -> usize {
+        self.kv_slots.len()
+    }
+
+    /// Outputs committed plus those still in flight.
+    pub fn produced(&self) -> usize {
+        self.output.len() + self.pending_tokens
+    }
+
+    /// Output tokens still allowed.
+    pub fn remaining_new_tokens(&self) -> usize {
+        self.limits.max_new_tokens.saturating_sub(self.produced())
+    }
+
+    /// Whether the request has reached its length limit once in-flight tokens land.
+    pub fn will_hit_length(&self) -> bool {
+        self.produced() >= self.limits.max_new_tokens
+    }
+
+    /// Checks a newly committed output token (already appended) against the finish rules in
+    /// order: length, then stop token / EOS. Stop strings are Python's; aborts are set directly.
+    pub fn check_finished(&self, eos_token_ids: &[u32]) -> Option<FinishReason> {
+        let last = *self.output.last()?;
+        if self.output.len() >= self.limits.max_new_tokens {
+            return Some(FinishReason::Length(self.limits.max_new_tokens));
+        }
+        if self.output.len() >= self.limits.min_new_tokens {
+            let stop = self.limits.stop_token_ids.contains(&last)
+                || (!self.limits.ignore_eos && eos_token_ids.contains(&last));
+            if stop {
+                return Some(FinishReason::StopToken(last));
+            }
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(max_new: usize, min_new: usize, ignore_eos: bool) -> Request {
+        let limits = SamplingLimits {
+            max_new_tokens: max_new,
+            min_new_tokens: min_new,
+            stop_token_ids: vec![7],
+            ignore_eos,
+            priority: 0,
+        };
+        Request::new(1, vec![1, 2, 3], limits, 0)
+    }
+
+    #[test]
+    fn length_is_checked_before_stop_tokens() {
+        let mut r = req(2, 0, false);
+        r.output = vec![5, 2];
+        assert_eq!(r.check_finished(&[2]), Some(FinishReason::Length(2)));
+    }
+
+    #[test]
+    fn eos_stops_unless_ignored_but_explicit_stop_ids_always_stop() {
+        let mut r = req(10, 0, false);
+        r.output = vec![2];
+        assert_eq!(r.check_finished(&[2]), Some(FinishReason::StopToken(2)));
+        let mut r = req(10, 0, true);
+        r.output = vec![2];
+        assert_eq!(r.check_finished(&[2]), None);
+        r.output = vec![2, 7];
+        assert_eq!(r.check_finished(&[2]), Some(FinishReason::StopToken(7)));
+    }
+
+    #[test]
+    fn min_new_tokens_suppresses_stops() {
+        let mut r = req(10, 3, false);
+        r.output = vec![7];
+        assert_eq!(r.check_finished(&[]), None);
+        r.output = vec![1, 1, 7];
+        assert_eq!(r.check_finished(&[]), Some(FinishReason::StopToken(7)));
+    }
+
+    #[test]
+    fn fill_concatenates_prompt_and_output() {
+        let mut r = req(10, 0, false);
+        r.output = vec![9];
+        assert_eq!(r.fill_ids(), vec![1, 2, 3, 9]);
+        assert_eq!(r.token_at(3), 9);
+    }
+}
