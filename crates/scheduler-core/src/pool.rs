@@ -71,14 +71,28 @@ impl TokenPool {
     /// Takes `n` token slots page by page (for `page_size == 1` this is token granularity).
     /// The unused tail of the last page stays with the caller's run: free it with [`free`](Self::free).
     pub fn alloc_tokens(&mut self, n: usize) -> Option<Vec<Slot>> {
-        let pages = n.div_ceil(self.page_size as usize);
-        let firsts = self.alloc_pages(pages)?;
-        let mut slots = Vec::with_capacity(n);
-        for first in firsts {
-            let take = (n - slots.len()).min(self.page_size as usize) as u32;
-            slots.extend(first..first + take);
+        let mut slots = vec![0; n];
+        self.alloc_tokens_into(&mut slots).then_some(slots)
+    }
+
+    /// [`alloc_tokens`](Self::alloc_tokens) into a caller's buffer; false (taking nothing) if
+    /// the pool is short.
+    pub fn alloc_tokens_into(&mut self, out: &mut [Slot]) -> bool {
+        let p = self.page_size as usize;
+        let pages = out.len().div_ceil(p);
+        if pages > self.free_pages.len() {
+            return false;
         }
-        Some(slots)
+        let start = self.free_pages.len() - pages;
+        let taken = self.free_pages[start..].iter().rev();
+        for (chunk, &page) in out.chunks_mut(p).zip(taken) {
+            let first = page * self.page_size;
+            for (i, slot) in chunk.iter_mut().enumerate() {
+                *slot = first + i as Slot;
+            }
+        }
+        self.free_pages.truncate(start);
+        true
     }
 
     /// Returns the pages that hold `slots`. A page is identified by its first slot, so every run

@@ -3,7 +3,7 @@
 //! Arrays cross as numpy int64 arrays built from the core's vectors without copying
 //! (`PyArray1::from_vec` takes ownership of the buffer).
 
-use numpy::{PyArray1, PyReadonlyArray1};
+use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1, PyReadwriteArray1};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -46,6 +46,22 @@ fn extract_i64(obj: &Bound<'_, PyAny>, field: &str) -> PyResult<Vec<i64>> {
     }
     obj.extract()
         .map_err(|_| PyValueError::new_err(format!("{field} must be a sequence of ints")))
+}
+
+/// The contents of a contiguous uint32 array.
+///
+/// Skips numpy's dynamic borrow tracking, which costs more than the tree operations these
+/// arrays feed. Sound because the slice does not outlive the call, the GIL is held throughout
+/// (no Python code can touch the array meanwhile), and no other borrow of it is taken.
+fn readonly<'a>(a: &'a Bound<'_, PyArray1<u32>>) -> PyResult<&'a [u32]> {
+    // SAFETY: see above.
+    unsafe { a.as_slice() }.map_err(|e| PyValueError::new_err(format!("array: {e}")))
+}
+
+/// A writeable view of an `out` array (numpy's borrow tracking rejects read-only arrays).
+fn writable<'py>(a: &Bound<'py, PyArray1<u32>>) -> PyResult<PyReadwriteArray1<'py, u32>> {
+    a.try_readwrite()
+        .map_err(|e| PyValueError::new_err(format!("out array: {e}")))
 }
 
 fn array<'py>(py: Python<'py>, v: Vec<i64>) -> Py<PyArray1<i64>> {
@@ -332,10 +348,15 @@ impl PyScheduler {
         self.inner.kv_buffer_size()
     }
 
-    /// Longest prompt + output the pool and context allow.
+    /// Longest prompt that leaves room for one output token.
     #[getter]
-    fn max_req_len(&self) -> usize {
-        self.inner.max_req_len()
+    fn max_prompt_len(&self) -> usize {
+        self.inner.max_prompt_len()
+    }
+
+    /// Output tokens a prompt of this length leaves room for (0: it would be rejected).
+    fn max_new_tokens_room(&self, prompt_len: usize) -> usize {
+        self.inner.max_new_tokens_room(prompt_len)
     }
 
     /// Load and counters as a dict.
@@ -416,19 +437,35 @@ impl PyRadixTree {
         })
     }
 
-    /// `(length, node, slots)` of the longest cached page-aligned prefix of `key`.
-    fn match_prefix(
+    /// `(length, node, slots)` of the longest cached page-aligned prefix of `key`. With `out`
+    /// (a uint32 array), the slots are written to `out[:length]` and `out` is returned instead
+    /// of a new array.
+    #[pyo3(signature = (key, out=None))]
+    fn match_prefix<'py>(
         &mut self,
-        py: Python<'_>,
-        key: PyReadonlyArray1<'_, u32>,
-    ) -> PyResult<(usize, u32, Py<PyArray1<u32>>)> {
-        let key = key
-            .as_slice()
-            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        py: Python<'py>,
+        key: &Bound<'py, PyArray1<u32>>,
+        out: Option<Bound<'py, PyArray1<u32>>>,
+    ) -> PyResult<(usize, u32, Bound<'py, PyArray1<u32>>)> {
         let mut values = std::mem::take(&mut self.scratch);
         values.clear();
-        let (n, node) = self.inner.match_prefix(key, &mut values);
-        Ok((n, node, PyArray1::from_vec(py, values).unbind()))
+        let (n, node) = self.inner.match_prefix(readonly(key)?, &mut values);
+        let Some(out) = out else {
+            return Ok((n, node, PyArray1::from_vec(py, values)));
+        };
+        {
+            let mut dst = writable(&out)?;
+            let dst = dst
+                .as_slice_mut()
+                .map_err(|e| PyValueError::new_err(e.to_string()))?;
+            if dst.len() < n {
+                let msg = format!("out holds {} slots, {n} matched", dst.len());
+                return Err(PyValueError::new_err(msg));
+            }
+            dst[..n].copy_from_slice(&values);
+        }
+        self.scratch = values;
+        Ok((n, node, out))
     }
 
     /// Inserts `key` (whole pages) with `values`; returns the length already present.
@@ -454,13 +491,20 @@ impl PyRadixTree {
     }
 
     /// Protects a node's path from eviction.
-    fn lock(&mut self, node: u32) {
-        self.inner.lock(node)
+    fn lock(&mut self, node: u32) -> PyResult<()> {
+        self.live(node)?;
+        self.inner.lock(node);
+        Ok(())
     }
 
     /// Undoes one lock.
-    fn unlock(&mut self, node: u32) {
-        self.inner.unlock(node)
+    fn unlock(&mut self, node: u32) -> PyResult<()> {
+        self.live(node)?;
+        if node != crate::radix::ROOT && self.inner.lock_ref(node) == 0 {
+            return Err(PyValueError::new_err(format!("node {node} is not locked")));
+        }
+        self.inner.unlock(node);
+        Ok(())
     }
 
     /// Evicts LRU leaves until `num_tokens` are freed; returns the freed slots.
@@ -468,6 +512,16 @@ impl PyRadixTree {
         let mut freed = Vec::new();
         self.inner.evict(num_tokens, &mut freed);
         PyArray1::from_vec(py, freed).unbind()
+    }
+
+    fn live(&self, node: u32) -> PyResult<()> {
+        if self.inner.is_live(node) {
+            Ok(())
+        } else {
+            Err(PyValueError::new_err(format!(
+                "node {node} is not in the tree"
+            )))
+        }
     }
 
     #[getter]
@@ -505,19 +559,38 @@ impl PyTokenPool {
         })
     }
 
-    /// Takes `n` slots, or returns None (taking nothing) if the pool is short.
-    fn alloc(&mut self, py: Python<'_>, n: usize) -> Option<Py<PyArray1<u32>>> {
-        self.inner
-            .alloc_tokens(n)
-            .map(|v| PyArray1::from_vec(py, v).unbind())
+    /// Takes `n` slots, or returns None (taking nothing) if the pool is short. With `out`, the
+    /// slots are written to `out[:n]` and `out` is returned.
+    #[pyo3(signature = (n, out=None))]
+    fn alloc<'py>(
+        &mut self,
+        py: Python<'py>,
+        n: usize,
+        out: Option<Bound<'py, PyArray1<u32>>>,
+    ) -> PyResult<Option<Bound<'py, PyArray1<u32>>>> {
+        let Some(out) = out else {
+            return Ok(self
+                .inner
+                .alloc_tokens(n)
+                .map(|v| PyArray1::from_vec(py, v)));
+        };
+        let ok = {
+            let mut dst = writable(&out)?;
+            let dst = dst
+                .as_slice_mut()
+                .map_err(|e| PyValueError::new_err(e.to_string()))?;
+            if dst.len() < n {
+                let msg = format!("out holds {} slots, {n} requested", dst.len());
+                return Err(PyValueError::new_err(msg));
+            }
+            self.inner.alloc_tokens_into(&mut dst[..n])
+        };
+        Ok(ok.then_some(out))
     }
 
     /// Returns slots (runs that start on page boundaries).
-    fn free(&mut self, slots: PyReadonlyArray1<'_, u32>) -> PyResult<()> {
-        let slots = slots
-            .as_slice()
-            .map_err(|e| PyValueError::new_err(e.to_string()))?;
-        self.inner.free(slots);
+    fn free(&mut self, slots: &Bound<'_, PyArray1<u32>>) -> PyResult<()> {
+        self.inner.free(readonly(slots)?);
         Ok(())
     }
 

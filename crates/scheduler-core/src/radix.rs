@@ -349,6 +349,11 @@ impl RadixTree {
         ids
     }
 
+    /// Whether `id` names a live node.
+    pub fn is_live(&self, id: NodeId) -> bool {
+        self.nodes.get(id as usize).is_some_and(|n| n.alive)
+    }
+
     /// Tokens in a node's key.
     pub fn node_len(&self, id: NodeId) -> usize {
         self.nodes[id as usize].key.len()

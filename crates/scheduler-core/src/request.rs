@@ -50,7 +50,7 @@ pub enum ReqState {
 pub struct SamplingLimits {
     /// Upper bound on output tokens (clamped on admission to the room the context and pool leave).
     pub max_new_tokens: usize,
-    /// Stop tokens do not finish the request before this many outputs.
+    /// Stop tokens do not finish the request before this many outputs (the sampler masks them).
     pub min_new_tokens: usize,
     /// Extra stop tokens besides the model's EOS ids.
     pub stop_token_ids: Vec<u32>,
@@ -164,7 +164,9 @@ impl Request {
         if self.output.len() >= self.limits.max_new_tokens {
             return Some(FinishReason::Length(self.limits.max_new_tokens));
         }
-        if self.output.len() >= self.limits.min_new_tokens {
+        // The sampler masks stop tokens while fewer than min_new_tokens outputs exist, so a stop
+        // counts only at output index >= min_new_tokens.
+        if self.output.len() > self.limits.min_new_tokens {
             let stop = self.limits.stop_token_ids.contains(&last)
                 || (!self.limits.ignore_eos && eos_token_ids.contains(&last));
             if stop {
@@ -215,6 +217,8 @@ mod tests {
         r.output = vec![7];
         assert_eq!(r.check_finished(&[]), None);
         r.output = vec![1, 1, 7];
+        assert_eq!(r.check_finished(&[]), None);
+        r.output = vec![1, 1, 1, 7];
         assert_eq!(r.check_finished(&[]), Some(FinishReason::StopToken(7)));
     }
 

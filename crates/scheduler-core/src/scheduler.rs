@@ -315,9 +315,9 @@ impl Scheduler {
         if cfg.page_size == 0 {
             return invalid("page_size must be at least 1".into());
         }
-        if cfg.max_total_tokens < 2 * cfg.page_size {
+        if cfg.max_total_tokens < 4 * cfg.page_size {
             return invalid(format!(
-                "max_total_tokens ({}) must hold at least two pages of {} tokens",
+                "max_total_tokens ({}) must hold at least four pages of {} tokens",
                 cfg.max_total_tokens, cfg.page_size
             ));
         }
@@ -368,11 +368,25 @@ impl Scheduler {
         self.pool.kv_buffer_size()
     }
 
-    /// Longest request (prompt + output) the pool and context allow.
-    pub fn max_req_len(&self) -> usize {
-        self.cfg
-            .context_len
-            .min(self.pool.capacity() - self.cfg.page_size)
+    /// Output tokens a prompt of `prompt_len` tokens leaves room for; 0 means it can never
+    /// run. The context bounds prompt + output. The pool must hold what admission asks for (the
+    /// prompt in whole pages, the output reservation and a page of slack) plus one more page,
+    /// which covers a retracted request re-prefilling prompt + output rounded up to pages.
+    pub fn max_new_tokens_room(&self, prompt_len: usize) -> usize {
+        let p = self.cfg.page_size;
+        let context_room = self.cfg.context_len.saturating_sub(prompt_len);
+        let pool_room = self
+            .pool
+            .capacity()
+            .saturating_sub(prompt_len.div_ceil(p) * p + 2 * p);
+        context_room.min(pool_room)
+    }
+
+    /// Longest prompt that leaves room for one output token.
+    pub fn max_prompt_len(&self) -> usize {
+        let p = self.cfg.page_size;
+        let pool_max = (self.pool.capacity() - 2 * p - 1) / p * p;
+        (self.cfg.context_len - 1).min(pool_max)
     }
 
     fn req(&self, idx: usize) -> &Request {
@@ -416,16 +430,16 @@ impl Scheduler {
                 self.cfg.context_len - 1
             ));
         }
-        let max_len = self.max_req_len();
-        if n >= max_len {
+        let room = self.max_new_tokens_room(n);
+        if room == 0 {
             return invalid(format!(
                 "the prompt has {n} tokens, but the KV cache pool holds only {} tokens: at most {} \
                  prompt tokens fit with room for one output token",
                 self.pool.capacity(),
-                max_len - 1
+                self.max_prompt_len()
             ));
         }
-        limits.max_new_tokens = limits.max_new_tokens.min(max_len - n);
+        limits.max_new_tokens = limits.max_new_tokens.min(room);
         let entry = Request::new(rid, prompt, limits, self.arrivals);
         self.arrivals += 1;
         let idx = match self.free_entries.pop() {
@@ -470,16 +484,17 @@ impl Scheduler {
             0
         };
         let extends = self.select_prefill(mixed_decodes, &mut plan);
+        // Priority preemption may have retracted some of them.
+        let decodable: Vec<usize> = decodable
+            .into_iter()
+            .filter(|&i| self.req(i).state == ReqState::Running)
+            .collect();
         let mut entries = Vec::new();
         if !extends.is_empty() {
             for ext in &extends {
                 self.plan_extend(*ext, &mut plan, &mut entries);
             }
             plan.num_extends = entries.len();
-            let decodable: Vec<usize> = decodable
-                .into_iter()
-                .filter(|&i| self.req(i).state == ReqState::Running)
-                .collect();
             let mixed = self.cfg.enable_mixed_chunk
                 && !decodable.is_empty()
                 && self.ensure_free(self.decode_pages(&decodable) * self.cfg.page_size);
