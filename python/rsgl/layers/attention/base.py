@@ -1,0 +1,54 @@
+"""The attention backend interface every backend implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from rsgl.model_executor.forward_batch import ForwardBatch
+from rsgl.model_executor.kv_cache import KVCache, ReqToTokenPool
+
+
+class AttentionBackend(ABC):
+    """Paged attention over the KV cache for a batch that mixes extends and decodes.
+
+    Per step the runner calls `prepare(batch)` once, which computes whatever every layer
+    shares (index tables, masks, kernel plans) and stores it in `batch.attn_metadata`; each
+    layer then calls `forward`, which writes the step's new keys/values into the KV cache at
+    `batch.out_cache_loc` and returns the attention output. Keys and values are read only
+    through `req_to_token`, so a request's cached prefix may live in any slots, shared with
+    other requests.
+    """
+
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        req_to_token: ReqToTokenPool,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+    ) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} query heads do not divide into {num_kv_heads} groups")
+        self.kv_cache = kv_cache
+        self.req_to_token = req_to_token
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+
+    @abstractmethod
+    def prepare(self, batch: ForwardBatch) -> None:
+        """Compute the step's shared attention metadata into `batch.attn_metadata`."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] (rotated) -> output [T, Hq * D]."""

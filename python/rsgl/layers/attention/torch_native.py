@@ -1,0 +1,150 @@
+"""torch_native: the reference backend, and the CPU production path."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rsgl.layers.attention.base import AttentionBackend
+from rsgl.layers.attention.cpu_decode_kernel import CpuDecodeKernel, load_cpu_decode_kernel
+from rsgl.model_executor.forward_batch import ForwardBatch
+from rsgl.model_executor.kv_cache import KVCache, ReqToTokenPool
+
+
+@dataclass(slots=True)
+class _ExtendReq:
+    token_start: int
+    extend_len: int
+    kv_index: torch.Tensor  # [seq_len] KV slots of the whole sequence
+    mask: torch.Tensor | None  # [extend_len, seq_len] bool; None = plain causal (no prefix)
+
+
+@dataclass(slots=True)
+class _TorchNativeMetadata:
+    extends: list[_ExtendReq]
+    decode_start: int  # token index where the decode tail begins
+    decode_req_slots: torch.Tensor  # [Bd] int64
+    decode_seq_lens: torch.Tensor  # [Bd] int64
+    # Eager path only: padded KV-slot table [Bd, S] and its validity mask [Bd, 1, 1, S].
+    decode_kv_index: torch.Tensor | None
+    decode_mask: torch.Tensor | None
+
+
+class TorchNativeAttnBackend(AttentionBackend):
+    """Attention with PyTorch ops (SDPA), reading K/V through req_to_token.
+
+    Extends (few per step, many tokens each) run one SDPA per request with a causal mask
+    offset by the cached prefix. Decodes (many per step, one token each) run batched: on CPU
+    in float32 through the fused paged kernel of `cpu_decode_kernel` when it can be built,
+    otherwise by gathering every decode request's K/V padded to the longest sequence and one
+    masked SDPA. Index tables and masks are built once per step in `prepare`, not per layer.
+    """
+
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        req_to_token: ReqToTokenPool,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        use_decode_kernel: bool | None = None,
+    ) -> None:
+        super().__init__(kv_cache, req_to_token, num_heads, num_kv_heads, head_dim)
+        self.decode_kernel: CpuDecodeKernel | None = None
+        eligible = kv_cache.device.type == "cpu" and kv_cache.dtype == torch.float32
+        if use_decode_kernel is None:
+            use_decode_kernel = eligible
+        if use_decode_kernel:
+            if not eligible:
+                raise ValueError("the CPU decode kernel needs a float32 KV cache on CPU")
+            self.decode_kernel = load_cpu_decode_kernel()
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        table = self.req_to_token.req_to_token
+        device = table.device
+        extends = []
+        starts = batch.extend_start_loc.tolist() if batch.num_extends else []
+        slots_host = batch.req_slots[: batch.num_extends].tolist()
+        for i in range(batch.num_extends):
+            prefix = int(batch.prefix_lens_host[i])
+            extend = int(batch.extend_lens_host[i])
+            seq = prefix + extend
+            mask = None
+            if prefix:
+                # Query j sits at absolute position prefix + j and sees keys 0..prefix + j.
+                q_pos = torch.arange(prefix, seq, device=device).unsqueeze(1)
+                mask = torch.arange(seq, device=device).unsqueeze(0) <= q_pos
+            kv_index = table[slots_host[i], :seq].long()
+            extends.append(_ExtendReq(starts[i], extend, kv_index, mask))
+
+        nd = batch.num_decodes
+        dec_slots = batch.req_slots[batch.batch_size - nd :].contiguous()
+        dec_lens = batch.seq_lens[batch.batch_size - nd :].contiguous()
+        kv_index = mask_ = None
+        if nd and self.decode_kernel is None:
+            max_len = int(batch.seq_lens_host[batch.batch_size - nd :].max())
+            cols = torch.arange(max_len, device=device)
+            valid = cols.unsqueeze(0) < dec_lens.unsqueeze(1)
+            # Padding reads slot 0, which the core never hands out, then is masked away.
+            kv_index = torch.where(valid, table[dec_slots, :max_len], 0).long()
+            mask_ = valid.view(nd, 1, 1, max_len)
+        batch.attn_metadata = _TorchNativeMetadata(
+            extends=extends,
+            decode_start=batch.num_tokens - nd,
+            decode_req_slots=dec_slots,
+            decode_seq_lens=dec_lens,
+            decode_kv_index=kv_index,
+            decode_mask=mask_,
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        meta = batch.attn_metadata
+        assert isinstance(meta, _TorchNativeMetadata), "prepare(batch) was not called"
+        self.kv_cache.set_kv(layer_id, batch.out_cache_loc, k, v)
+        k_buf = self.kv_cache.k_buffers[layer_id]
+        v_buf = self.kv_cache.v_buffers[layer_id]
+        out = torch.empty_like(q)
+        gqa = self.num_heads != self.num_kv_heads
+
+        for req in meta.extends:
+            end = req.token_start + req.extend_len
+            qi = q[req.token_start : end].transpose(0, 1)  # [H, E, D]
+            ki = k_buf[req.kv_index].transpose(0, 1)  # [Hkv, S, D]
+            vi = v_buf[req.kv_index].transpose(0, 1)
+            oi = F.scaled_dot_product_attention(
+                qi, ki, vi, attn_mask=req.mask, is_causal=req.mask is None, enable_gqa=gqa
+            )
+            out[req.token_start : end] = oi.transpose(0, 1)
+
+        if batch.num_decodes:
+            qd = q[meta.decode_start :]
+            if self.decode_kernel is not None:
+                od = torch.empty_like(qd)
+                self.decode_kernel(
+                    qd.contiguous(),
+                    k_buf,
+                    v_buf,
+                    self.req_to_token.req_to_token,
+                    meta.decode_req_slots,
+                    meta.decode_seq_lens,
+                    od,
+                    self.scale,
+                )
+            else:
+                assert meta.decode_kv_index is not None
+                kd = k_buf[meta.decode_kv_index].transpose(1, 2)  # [Bd, Hkv, S, D]
+                vd = v_buf[meta.decode_kv_index].transpose(1, 2)
+                od = F.scaled_dot_product_attention(
+                    qd.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, enable_gqa=gqa
+                ).squeeze(2)
+            out[meta.decode_start :] = od
+        return out.view(q.shape[0], -1)

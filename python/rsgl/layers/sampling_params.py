@@ -1,0 +1,84 @@
+"""Per-request sampling parameters (SGLang names), validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Below this temperature a request is decoded greedily (dividing by ~0 would overflow).
+GREEDY_TEMPERATURE = 1e-6
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How one request picks its next tokens.
+
+    Invalid values raise ValueError naming the field. `top_k=-1` disables top-k;
+    `temperature=0` (or `top_k=1`) means greedy. `repetition_penalty` (HF semantics) applies to
+    prompt and generated tokens; `frequency_penalty`/`presence_penalty` (OpenAI semantics) to
+    generated tokens only. `seed` makes sampling reproducible whatever the batch it runs in.
+    `return_logprob` reports the chosen token's log-probability, `top_logprobs_num` the N most
+    likely tokens, both under the model's raw distribution (before penalties and temperature).
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_new_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    seed: int | None = None
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first out-of-range field."""
+        if self.temperature < 0:
+            _bad("temperature", self.temperature, "must be >= 0")
+        if not 0 < self.top_p <= 1:
+            _bad("top_p", self.top_p, "must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            _bad("top_k", self.top_k, "must be -1 (disabled) or >= 1")
+        if not 0 <= self.min_p <= 1:
+            _bad("min_p", self.min_p, "must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            _bad("repetition_penalty", self.repetition_penalty, "must be > 0")
+        if not -2 <= self.frequency_penalty <= 2:
+            _bad("frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
+        if not -2 <= self.presence_penalty <= 2:
+            _bad("presence_penalty", self.presence_penalty, "must be in [-2, 2]")
+        if self.max_new_tokens < 0:
+            _bad("max_new_tokens", self.max_new_tokens, "must be >= 0")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            _bad("min_new_tokens", self.min_new_tokens, "must be in [0, max_new_tokens]")
+        if any(t < 0 for t in self.stop_token_ids):
+            _bad("stop_token_ids", self.stop_token_ids, "must be non-negative token ids")
+        if self.top_logprobs_num < 0:
+            _bad("top_logprobs_num", self.top_logprobs_num, "must be >= 0")
+        if self.seed is not None and not isinstance(self.seed, int):
+            _bad("seed", self.seed, "must be an integer or None")
+
+
+def _bad(name: str, value: object, rule: str) -> None:
+    raise ValueError(f"invalid sampling parameter {name}={value!r}: {rule}")

@@ -1,0 +1,162 @@
+"""ForwardBatch: one step's work (extends and decodes) as tensors, built from plan arrays."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+
+class ForwardMode(enum.Enum):
+    """What a step computes: prompt chunks, single-token decodes, both, or nothing."""
+
+    EXTEND = "extend"
+    DECODE = "decode"
+    MIXED = "mixed"
+    IDLE = "idle"
+
+
+class PlanLike(Protocol):
+    """The fields of a scheduling-core plan the executor reads (numpy int64 arrays)."""
+
+    @property
+    def forward_mode(self) -> str: ...
+    @property
+    def req_slots(self) -> np.ndarray: ...
+    @property
+    def prefix_lens(self) -> np.ndarray: ...
+    @property
+    def extend_lens(self) -> np.ndarray: ...
+    @property
+    def seq_lens(self) -> np.ndarray: ...
+    @property
+    def input_ids(self) -> np.ndarray: ...
+    @property
+    def positions(self) -> np.ndarray: ...
+    @property
+    def out_cache_loc(self) -> np.ndarray: ...
+    @property
+    def write_rows(self) -> np.ndarray: ...
+    @property
+    def write_cols(self) -> np.ndarray: ...
+    @property
+    def write_slots(self) -> np.ndarray: ...
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """Inputs of one forward pass.
+
+    Requests are laid out contiguously in token order; extends come first and single-token
+    decodes last (the scheduling core's mixed layout). Per-request tensors have length B,
+    per-token tensors length T = sum(extend_lens). The `*_host` arrays mirror the per-request
+    lengths on the host, for the few places that need Python ints (the extend loop).
+    """
+
+    forward_mode: ForwardMode
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+    req_slots: torch.Tensor
+    prefix_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    seq_lens: torch.Tensor
+    extend_start_loc: torch.Tensor
+    prefix_lens_host: np.ndarray
+    extend_lens_host: np.ndarray
+    seq_lens_host: np.ndarray
+    num_decodes: int
+    # Set by the attention backend once per step and read by every layer.
+    attn_metadata: object | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.req_slots.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_extends(self) -> int:
+        return self.batch_size - self.num_decodes
+
+    @property
+    def last_token_index(self) -> torch.Tensor:
+        """Token index of each request's last computed position (the rows the LM head sees)."""
+        return self.extend_start_loc + self.extend_lens - 1
+
+    def token_req_slots(self) -> torch.Tensor:
+        """The request slot of every token ([T])."""
+        return torch.repeat_interleave(self.req_slots, self.extend_lens, output_size=self.num_tokens)
+
+    @classmethod
+    def from_arrays(
+        cls,
+        *,
+        forward_mode: ForwardMode | str,
+        req_slots: np.ndarray,
+        prefix_lens: np.ndarray,
+        extend_lens: np.ndarray,
+        input_ids: np.ndarray,
+        positions: np.ndarray | None = None,
+        out_cache_loc: np.ndarray,
+        seq_lens: np.ndarray | None = None,
+        device: torch.device | str = "cpu",
+    ) -> ForwardBatch:
+        """Build from per-request and per-token arrays; positions/seq_lens are derived if absent."""
+        mode = forward_mode if isinstance(forward_mode, ForwardMode) else ForwardMode(forward_mode)
+        prefix = np.asarray(prefix_lens, dtype=np.int64)
+        extend = np.asarray(extend_lens, dtype=np.int64)
+        seq = prefix + extend if seq_lens is None else np.asarray(seq_lens, dtype=np.int64)
+        if not np.array_equal(seq, prefix + extend):
+            raise ValueError("seq_lens must equal prefix_lens + extend_lens")
+        ids = np.asarray(input_ids, dtype=np.int64)
+        if ids.shape[0] != int(extend.sum()):
+            raise ValueError(f"{ids.shape[0]} input ids for {int(extend.sum())} extend tokens")
+        starts = np.zeros_like(extend)
+        if extend.size:
+            np.cumsum(extend[:-1], out=starts[1:])
+        if positions is None:
+            offsets = np.arange(ids.shape[0], dtype=np.int64) - np.repeat(starts, extend)
+            positions = np.repeat(prefix, extend) + offsets
+        # The trailing run of one-token requests is the batched decode part.
+        not_one = np.flatnonzero(extend != 1)
+        num_decodes = int(extend.size - (not_one[-1] + 1 if not_one.size else 0))
+
+        def dev(a: np.ndarray) -> torch.Tensor:
+            return torch.as_tensor(np.asarray(a, dtype=np.int64), device=device)
+
+        return cls(
+            forward_mode=mode,
+            input_ids=dev(ids),
+            positions=dev(positions),
+            out_cache_loc=dev(out_cache_loc),
+            req_slots=dev(req_slots),
+            prefix_lens=dev(prefix),
+            extend_lens=dev(extend),
+            seq_lens=dev(seq),
+            extend_start_loc=dev(starts),
+            prefix_lens_host=prefix,
+            extend_lens_host=extend,
+            seq_lens_host=seq,
+            num_decodes=num_decodes,
+        )
+
+    @classmethod
+    def from_plan(cls, plan: PlanLike, device: torch.device | str = "cpu") -> ForwardBatch:
+        """Build from a scheduling-core plan (its req_to_token writes are applied elsewhere)."""
+        return cls.from_arrays(
+            forward_mode=plan.forward_mode,
+            req_slots=plan.req_slots,
+            prefix_lens=plan.prefix_lens,
+            extend_lens=plan.extend_lens,
+            seq_lens=plan.seq_lens,
+            input_ids=plan.input_ids,
+            positions=plan.positions,
+            out_cache_loc=plan.out_cache_loc,
+            device=device,
+        )

