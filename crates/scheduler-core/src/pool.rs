@@ -68,6 +68,11 @@ impl TokenPool {
         Some(firsts)
     }
 
+    /// Takes one page and returns its first slot.
+    pub fn alloc_page(&mut self) -> Option<Slot> {
+        self.free_pages.pop().map(|page| page * self.page_size)
+    }
+
     /// Takes `n` token slots page by page (for `page_size == 1` this is token granularity).
     /// The unused tail of the last page stays with the caller's run: free it with [`free`](Self::free).
     pub fn alloc_tokens(&mut self, n: usize) -> Option<Vec<Slot>> {

@@ -348,6 +348,12 @@ impl PyScheduler {
         self.inner.kv_buffer_size()
     }
 
+    /// Tokens per KV page (slots `0..page_size` are padding).
+    #[getter]
+    fn page_size(&self) -> usize {
+        self.inner.config().page_size
+    }
+
     /// Longest prompt that leaves room for one output token.
     #[getter]
     fn max_prompt_len(&self) -> usize {

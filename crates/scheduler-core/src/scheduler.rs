@@ -823,6 +823,25 @@ impl Scheduler {
         slots
     }
 
+    /// One KV slot for request `idx`'s next token (the decode fast path of
+    /// [`alloc_for`](Self::alloc_for): no vector per request).
+    fn alloc_one(&mut self, idx: usize) -> Slot {
+        let p = self.cfg.page_size;
+        let req = self.req(idx);
+        let kv = req.kv_len();
+        if !kv.is_multiple_of(p) {
+            return req.kv_slots[kv - 1] + 1;
+        }
+        let ok = self.ensure_free(p);
+        assert!(
+            ok,
+            "KV pool exhausted after the decode memory check: a scheduler bug"
+        );
+        self.pool
+            .alloc_page()
+            .expect("pool has a page after eviction")
+    }
+
     /// Evicts from the tree until `tokens` are free; false if even that is not enough.
     fn ensure_free(&mut self, tokens: usize) -> bool {
         let available = self.pool.available();
@@ -905,7 +924,7 @@ impl Scheduler {
 
     /// Appends one request's decode token to the plan.
     fn plan_decode(&mut self, idx: usize, plan: &mut Plan, entries: &mut Vec<Entry>) {
-        let slot = self.alloc_for(idx, 1)[0];
+        let slot = self.alloc_one(idx);
         let req = self.req(idx);
         let pos = req.kv_len();
         let row = req.req_slot.expect("running request holds a slot") as i64;
