@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 import torch
 from plan_builder import Driver
-
 from rsgl.model_executor.model_runner import ModelRunner
 from rsgl.models.loader import load_tokenizer
 

@@ -41,6 +41,9 @@ class RotaryEmbedding(nn.Module):
     rows by position (no per-step trigonometry).
     """
 
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
+
     def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig) -> None:
         super().__init__()
         self.head_dim = head_dim

@@ -91,7 +91,9 @@ class ForwardBatch:
 
     def token_req_slots(self) -> torch.Tensor:
         """The request slot of every token ([T])."""
-        return torch.repeat_interleave(self.req_slots, self.extend_lens, output_size=self.num_tokens)
+        return torch.repeat_interleave(
+            self.req_slots, self.extend_lens, output_size=self.num_tokens
+        )
 
     @classmethod
     def from_arrays(

@@ -60,7 +60,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(batch.positions, q, k)
-        return self.o_proj(attn.forward(q, k, v, self.layer_id, batch))
+        out: torch.Tensor = self.o_proj(attn.forward(q, k, v, self.layer_id, batch))
+        return out
 
 
 class LlamaMLP(nn.Module):
@@ -77,7 +78,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        return out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -98,7 +100,20 @@ class LlamaDecoderLayer(nn.Module):
         attn: AttentionBackend,
     ) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, batch, attn)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        out: torch.Tensor = hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return out
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm (HF's `model.` prefix)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -111,12 +126,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.model.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
-        )
-        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.model = LlamaModel(config)
         self.lm_head: nn.Linear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -124,12 +134,12 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def layers(self) -> list[LlamaDecoderLayer]:
-        return list(self.model.layers)  # type: ignore[arg-type]
+        return [layer for layer in self.model.layers if isinstance(layer, LlamaDecoderLayer)]
 
     def lm_head_weight(self) -> torch.Tensor:
+        """The LM head matrix (the embedding when tied)."""
         if self.lm_head is None:
-            weight: torch.Tensor = self.model.embed_tokens.weight
-            return weight
+            return self.model.embed_tokens.weight
         return self.lm_head.weight
 
     def forward(
@@ -140,7 +150,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids: [T] (placeholders already resolved) -> logits [B, vocab]."""
         hidden = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
+        for layer in self.layers:
             hidden = layer(hidden, self.rotary, batch, attn)
         # Only the last position of each request feeds the LM head.
         last = hidden[batch.last_token_index]
@@ -177,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
                 param.narrow(0, offset, sizes[shard]).copy_(tensor)
                 target = f"{target}#{shard}"
             loaded.add(target)
-        expected = set()
+        expected: set[str] = set()
         for pname in params:
             shards = 3 if "qkv_proj" in pname else 2 if "gate_up_proj" in pname else 0
             if shards:

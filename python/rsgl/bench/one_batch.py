@@ -1,0 +1,183 @@
+"""`rsgl bench one-batch`: a static batch through the model runner, against the matmul limit.
+
+Prefill all prompts in one extend step, then decode `output_len - 1` steps whose input
+tokens are FutureMap placeholders (as in overlap mode); no scheduler is involved. In the same
+process it times the model's matmuls alone (every layer's projections and the LM head at the
+decode batch size, no attention, norms or sampling): the practical decode roofline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from rsgl.model_executor.model_runner import ModelRunner
+from rsgl.models.llama import LlamaForCausalLM
+
+
+@dataclass
+class _Plan:
+    """A plan with the fields the runner reads (PlanLike)."""
+
+    forward_mode: str
+    req_slots: np.ndarray
+    prefix_lens: np.ndarray
+    extend_lens: np.ndarray
+    seq_lens: np.ndarray
+    input_ids: np.ndarray
+    positions: np.ndarray
+    out_cache_loc: np.ndarray
+    write_rows: np.ndarray
+    write_cols: np.ndarray
+    write_slots: np.ndarray
+
+
+def _prefill_plan(prompts: np.ndarray, capacity: int) -> _Plan:
+    batch, input_len = prompts.shape
+    slots = np.arange(batch, dtype=np.int64)
+    # Request r owns KV slots 1 + r * capacity ... (slot 0 is the reserved padding slot).
+    kv = 1 + slots[:, None] * capacity + np.arange(input_len)[None, :]
+    return _Plan(
+        forward_mode="extend",
+        req_slots=slots,
+        prefix_lens=np.zeros(batch, dtype=np.int64),
+        extend_lens=np.full(batch, input_len, dtype=np.int64),
+        seq_lens=np.full(batch, input_len, dtype=np.int64),
+        input_ids=prompts.reshape(-1).astype(np.int64),
+        positions=np.tile(np.arange(input_len, dtype=np.int64), batch),
+        out_cache_loc=kv.reshape(-1),
+        write_rows=np.repeat(slots, input_len),
+        write_cols=np.tile(np.arange(input_len, dtype=np.int64), batch),
+        write_slots=kv.reshape(-1),
+    )
+
+
+def _decode_plan(batch: int, position: int, capacity: int) -> _Plan:
+    slots = np.arange(batch, dtype=np.int64)
+    kv = 1 + slots * capacity + position
+    pos = np.full(batch, position, dtype=np.int64)
+    return _Plan(
+        forward_mode="decode",
+        req_slots=slots,
+        prefix_lens=pos,
+        extend_lens=np.ones(batch, dtype=np.int64),
+        seq_lens=pos + 1,
+        input_ids=np.full(batch, -1, dtype=np.int64),  # resolved from the FutureMap
+        positions=pos,
+        out_cache_loc=kv,
+        write_rows=slots,
+        write_cols=pos,
+        write_slots=kv,
+    )
+
+
+@torch.inference_mode()
+def matmul_roofline_step_s(model: LlamaForCausalLM, batch: int, repeats: int = 5) -> float:
+    """Seconds for one decode step's matmuls alone (median of `repeats`)."""
+    cfg = model.config
+    dtype = model.lm_head_weight().dtype
+    device = model.lm_head_weight().device
+    x = torch.randn(batch, cfg.hidden_size, dtype=dtype, device=device)
+    attn_out = torch.randn(batch, cfg.q_size, dtype=dtype, device=device)
+    act = torch.randn(batch, cfg.intermediate_size, dtype=dtype, device=device)
+
+    def step() -> None:
+        for layer in model.layers:
+            F.linear(x, layer.self_attn.qkv_proj.weight, layer.self_attn.qkv_proj.bias)
+            F.linear(attn_out, layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias)
+            F.linear(x, layer.mlp.gate_up_proj.weight)
+            F.linear(act, layer.mlp.down_proj.weight)
+        F.linear(x, model.lm_head_weight())
+
+    step()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run(args: argparse.Namespace) -> dict[str, object]:
+    """Run the benchmark and return its figures."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batch, input_len, output_len = args.batch, args.input_len, args.output_len
+    capacity = input_len + output_len
+    runner = ModelRunner.from_pretrained(
+        args.model,
+        kv_buffer_size=1 + batch * capacity,
+        max_running_requests=batch,
+        context_len=capacity + 1,
+        device=args.device,
+        attention_backend=args.attention_backend,
+    )
+    from rsgl.layers.sampling_params import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=output_len, ignore_eos=True)
+    rng = np.random.default_rng(args.seed)
+    vocab = runner.config.vocab_size
+    prompts = rng.integers(100, vocab - 100, size=(batch, input_len))
+    for slot in range(batch):
+        runner.admit(slot, greedy, prompts[slot].tolist())
+
+    # Warm up allocators, the decode kernel and oneDNN on a throwaway request.
+    runner.step(_prefill_plan(prompts[:1, :8], capacity))
+    runner.step(_decode_plan(1, 8, capacity))
+
+    t0 = time.perf_counter()
+    runner.step(_prefill_plan(prompts, capacity))
+    prefill_s = time.perf_counter() - t0
+
+    decode_steps = output_len - 1
+    t0 = time.perf_counter()
+    for i in range(decode_steps):
+        out = runner.step(_decode_plan(batch, input_len + i, capacity))
+    decode_s = time.perf_counter() - t0
+    assert decode_steps == 0 or out.next_token_ids.shape[0] == batch
+
+    roofline_s = matmul_roofline_step_s(runner.model, batch)
+    decode_tok_s = batch * decode_steps / decode_s if decode_steps else 0.0
+    roofline_tok_s = batch / roofline_s
+    backend = runner.attn
+    return {
+        "model": str(runner.loaded.model_dir),
+        "batch": batch,
+        "input_len": input_len,
+        "output_len": output_len,
+        "threads": torch.get_num_threads(),
+        "attention_backend": args.attention_backend,
+        "cpu_decode_kernel": getattr(backend, "decode_kernel", None) is not None,
+        "prefill_s": round(prefill_s, 3),
+        "prefill_tok_s": round(batch * input_len / prefill_s, 1),
+        "decode_s": round(decode_s, 3),
+        "decode_step_ms": round(1000 * decode_s / max(decode_steps, 1), 2),
+        "decode_tok_s": round(decode_tok_s, 1),
+        "roofline_decode_tok_s": round(roofline_tok_s, 1),
+        "decode_vs_roofline": round(decode_tok_s / roofline_tok_s, 3),
+    }
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of `rsgl bench one-batch`."""
+    parser = argparse.ArgumentParser(prog="rsgl bench one-batch", description=__doc__)
+    parser.add_argument("--model", default=None, help="model dir or .gguf (default: SmolLM2)")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=100)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--attention-backend", default="torch_native")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.batch < 1 or args.input_len < 1 or args.output_len < 1:
+        parser.error("--batch, --input-len and --output-len must be >= 1")
+    print(json.dumps(run(args)))
+    return 0
