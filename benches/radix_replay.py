@@ -49,19 +49,21 @@ def replay(pool_tokens: int, requests: list[tuple[np.ndarray, int]], page_size: 
         matched, node, _ = tree.match_prefix(match_key, out=buffer)
         tree.lock(node)
         need = key_len - matched
-        short = need - pool.available
-        if short > 0:
-            freed = tree.evict(short)
+        new_slots = buffer[matched:key_len]
+        if pool.alloc(need, out=new_slots) is None:  # short: evict, then try again
+            freed = tree.evict(need - pool.available)
             evicted_tokens += len(freed)
             pool.free(freed)
-        if pool.alloc(need, out=buffer[matched:key_len]) is None:
-            skipped += 1
-            tree.unlock(node)
-            continue
+            if pool.alloc(need, out=new_slots) is None:
+                skipped += 1
+                tree.unlock(node)
+                continue
         matched_tokens += matched
         present = tree.insert(insert_key, buffer[:aligned])
-        pool.free(buffer[matched:present])
-        pool.free(buffer[aligned:key_len])
+        if present > matched:
+            pool.free(buffer[matched:present])
+        if aligned < key_len:
+            pool.free(buffer[aligned:key_len])
         tree.unlock(node)
     seconds = time.perf_counter() - start
     tree.check()

@@ -47,13 +47,15 @@ pub struct RadixTree {
     evictable_leaves: BTreeSet<(u64, NodeId)>,
 }
 
-/// Length of the common prefix of `a` and `b`, compared in blocks first (memcmp) for speed.
+/// Length of the common prefix of `a` and `b`: whole blocks compared as slices (memcmp)
+/// first, then the mismatching block element by element.
 fn common_len(a: &[u32], b: &[u32]) -> usize {
-    const BLOCK: usize = 16;
     let n = a.len().min(b.len());
     let mut i = 0;
-    while i + BLOCK <= n && a[i..i + BLOCK] == b[i..i + BLOCK] {
-        i += BLOCK;
+    for block in [128, 16] {
+        while i + block <= n && a[i..i + block] == b[i..i + block] {
+            i += block;
+        }
     }
     while i < n && a[i] == b[i] {
         i += 1;
