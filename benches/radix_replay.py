@@ -16,7 +16,6 @@ import json
 import time
 
 import numpy as np
-
 from rsgl._core import RadixTree, TokenPool
 
 

@@ -15,7 +15,6 @@ import json
 import time
 
 import numpy as np
-
 from rsgl._core import Scheduler
 
 

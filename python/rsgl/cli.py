@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="rsgl", description="rsgl LLM serving engine")
     parser.add_argument("command", choices=["serve", "bench"])
-    args, rest = parser.parse_known_args(argv[:1])
+    args = parser.parse_args(argv[:1])
     if args.command == "bench":
         return run_bench(argv[1:])
     return run_serve(argv[1:])

@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from core_harness import FakeExecutor, fake_token
-
 from rsgl._core import FUTURE_TOKEN, Scheduler
 
 
@@ -264,7 +263,9 @@ def test_mixed_chunk_puts_decodes_into_prefill_steps() -> None:
 
 def test_oversized_prompts_are_rejected_with_a_clear_error() -> None:
     ex = make(max_total_tokens=512, context_len=256)
-    with pytest.raises(ValueError, match="the prompt has 256 tokens, but the context length is 256"):
+    with pytest.raises(
+        ValueError, match="the prompt has 256 tokens, but the context length is 256"
+    ):
         ex.core.add_request(1, list(range(256)), 4)
     small_pool = make(max_total_tokens=128, context_len=1024)
     with pytest.raises(ValueError, match="KV cache pool holds only 128 tokens"):
