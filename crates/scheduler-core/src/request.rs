@@ -86,6 +86,9 @@ pub struct Request {
     pub prefix_len: usize,
     /// Deepest tree node of the cached prefix; locked while the request holds it.
     pub last_node: NodeId,
+    /// First `req_to_token` position whose slot changed since the executor last saw this
+    /// request's row (caching a chunk swaps duplicates for the tree's slots).
+    pub stale_row_from: Option<usize>,
     /// Tokens sampled by in-flight steps and not yet committed.
     pub pending_tokens: usize,
     /// In-flight (scheduled, uncommitted) steps that include this request.
@@ -109,6 +112,7 @@ impl Request {
             kv_slots: Vec::new(),
             prefix_len: 0,
             last_node: ROOT,
+            stale_row_from: None,
             pending_tokens: 0,
             inflight_steps: 0,
             cached_tokens: 0,

@@ -470,7 +470,7 @@ impl Scheduler {
         };
         self.next_plan_id += 1;
         if let Some(idx) = self.chunked {
-            self.cache_unfinished(idx, &mut plan);
+            self.cache_unfinished(idx);
         }
         let decodable: Vec<usize> = self
             .running
@@ -537,7 +537,7 @@ impl Scheduler {
     /// After a chunk, SGLang's `cache_unfinished_req`: the computed, page-aligned prefix goes
     /// into the tree (so others can share it), duplicates are freed, and the request's lock
     /// moves to the new deepest node.
-    fn cache_unfinished(&mut self, idx: usize, plan: &mut Plan) {
+    fn cache_unfinished(&mut self, idx: usize) {
         if self.tree.is_disabled() {
             return;
         }
@@ -556,11 +556,10 @@ impl Scheduler {
         debug_assert_eq!(matched, kv);
         self.tree.lock(node);
         self.tree.unlock(req.last_node);
-        let row = req.req_slot.expect("chunked request holds a request slot") as i64;
-        for pos in req.prefix_len..present {
-            plan.write_rows.push(row);
-            plan.write_cols.push(pos as i64);
-            plan.write_slots.push(self.scratch[pos] as i64);
+        // Positions prefix_len..present now use the tree's slots; the executor's row is
+        // rewritten by the next plan that computes this request (see `plan_extend`).
+        if present > req.prefix_len {
+            req.stale_row_from = Some(req.stale_row_from.unwrap_or(req.prefix_len));
         }
         req.kv_slots.copy_from_slice(&self.scratch[..kv]);
         req.prefix_len = matched;
@@ -869,8 +868,15 @@ impl Scheduler {
         let slots = self.alloc_for(idx, len);
         let req = self.req(idx);
         let row = req.req_slot.expect("slot assigned") as i64;
-        if newly_admitted {
-            for (pos, &slot) in req.kv_slots.iter().enumerate() {
+        // A new row gets the cached prefix; a chunked request's row gets the positions that
+        // caching its last chunk moved to the tree's slots.
+        let stale_from = if newly_admitted {
+            Some(0)
+        } else {
+            req.stale_row_from
+        };
+        if let Some(from) = stale_from {
+            for (pos, &slot) in req.kv_slots.iter().enumerate().skip(from) {
                 plan.write_rows.push(row);
                 plan.write_cols.push(pos as i64);
                 plan.write_slots.push(slot as i64);
@@ -890,6 +896,7 @@ impl Scheduler {
         let was_chunked = self.chunked == Some(idx);
         let req = self.req_mut(idx);
         req.kv_slots.extend_from_slice(&slots);
+        req.stale_row_from = None;
         if whole {
             req.state = ReqState::Running;
             req.pending_tokens += 1;
