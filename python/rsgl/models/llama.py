@@ -10,7 +10,7 @@ from torch import nn
 
 from rsgl.layers.attention.base import AttentionBackend
 from rsgl.layers.norm import RMSNorm
-from rsgl.layers.rotary import RotaryEmbedding
+from rsgl.layers.rotary import RotaryEmbedding, interleave_rotary_pairs
 from rsgl.model_executor.forward_batch import ForwardBatch
 from rsgl.models.config import ModelConfig
 
@@ -22,6 +22,9 @@ _FUSED_SHARDS: dict[str, tuple[str, int]] = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+
+# Tensors whose rows are permuted so rotary pairs are adjacent (see rsgl.layers.rotary).
+_PAIR_INTERLEAVED = (".q_proj.", ".k_proj.", ".q_norm.", ".k_norm.")
 
 
 class LlamaAttention(nn.Module):
@@ -52,14 +55,18 @@ class LlamaAttention(nn.Module):
         batch: ForwardBatch,
         attn: AttentionBackend,
     ) -> torch.Tensor:
-        t = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        t, heads, kv_heads, dim = hidden.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(hidden)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, kv_heads, dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(batch.positions, q, k)
+            q = rotary(batch.positions, self.q_norm(qkv[:, : self.q_size].view(t, heads, dim)))
+            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, kv_heads, dim))
+            k = rotary(batch.positions, k)
+        else:
+            # q and k are adjacent in the fused output: rotate both in one op.
+            qk = qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, dim)
+            qk = rotary(batch.positions, qk)
+            q, k = qk[:, :heads], qk[:, heads:]
         out: torch.Tensor = self.o_proj(attn.forward(q, k, v, self.layer_id, batch))
         return out
 
@@ -166,6 +173,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the LM head
+            if any(p in name for p in _PAIR_INTERLEAVED):
+                tensor = interleave_rotary_pairs(tensor, self.config.head_dim)
             target, shard = name, -1
             for hf_name, (fused, index) in _FUSED_SHARDS.items():
                 if f".{hf_name}." in name:

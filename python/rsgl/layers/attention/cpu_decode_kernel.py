@@ -26,73 +26,92 @@ from rsgl.models.cache_dir import rsgl_cache_dir
 
 _SOURCE = r"""
 #include <float.h>
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
 /* Rows this many positions ahead are prefetched: KV slots are indirect, so the hardware
-   prefetcher cannot predict them. */
-#define PREFETCH_AHEAD 8
+   prefetcher cannot follow them when the core's allocator scattered a request's pages. */
+#define PREFETCH_AHEAD 4
 
 static inline void prefetch_row(const float* p, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i);
 }
 
+/* exp(x) for x <= 0: range reduction to [-ln2/2, ln2/2], a degree-6 polynomial (Cephes
+   coefficients, ~1 ulp), and the power of two put straight into the exponent bits. Plain
+   arithmetic, so the softmax loop vectorizes; libm's expf is a scalar call per element. */
+static inline float exp_nonpos(float x) {
+    x = x < -87.f ? -87.f : x;
+    const float n = __builtin_roundf(x * 1.44269504088896341f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    union { float f; int32_t i; } u;
+    u.i = ((int32_t)n + 127) << 23;
+    return p * u.f;
+}
+
 /* out[b, h] = softmax(q[b, h] . K[b]^T * scale) V[b] for one query per request, where the
    keys of request b are the rows kb[req_to_token[req_slots[b], 0:seq_lens[b]]] and query
-   head h reads kv head h / (H / Hkv). Work is split over (request, kv head) pairs. */
+   head h reads kv head h / (H / Hkv). One request per work item: its K rows are read once
+   for all heads (scores), then its V rows once (weighted sum). */
 void rsgl_decode_attention(
     const float* q, const float* kb, const float* vb, const int32_t* req_to_token,
     int64_t r2t_stride, const int64_t* req_slots, const int64_t* seq_lens, float* out,
     int64_t B, int64_t H, int64_t Hkv, int64_t D, float scale, int nthreads) {
     const int64_t G = H / Hkv;
     const int64_t row = Hkv * D;
-    #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nthreads)
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t b = 0; b < B; b++) {
-        for (int64_t h = 0; h < Hkv; h++) {
-            const int64_t len = seq_lens[b];
-            const int32_t* slots = req_to_token + req_slots[b] * r2t_stride;
-            const float* qh = q + (b * H + h * G) * D;
-            float* oh = out + (b * H + h * G) * D;
-            float* sc = (float*)malloc(sizeof(float) * (size_t)(len * G));
-            for (int64_t s = 0; s < len; s++) {
-                if (s + PREFETCH_AHEAD < len)
-                    prefetch_row(kb + (int64_t)slots[s + PREFETCH_AHEAD] * row + h * D, D);
-                const float* k = kb + (int64_t)slots[s] * row + h * D;
-                for (int64_t g = 0; g < G; g++) {
-                    const float* qg = qh + g * D;
-                    float acc = 0.f;
-                    #pragma omp simd reduction(+ : acc)
-                    for (int64_t d = 0; d < D; d++) acc += qg[d] * k[d];
-                    sc[g * len + s] = acc * scale;
-                }
+        const int64_t len = seq_lens[b];
+        const int32_t* slots = req_to_token + req_slots[b] * r2t_stride;
+        const float* qb = q + b * H * D;
+        float* ob = out + b * H * D;
+        float* sc = (float*)malloc(sizeof(float) * (size_t)(len * H));
+        for (int64_t s = 0; s < len; s++) {
+            if (s + PREFETCH_AHEAD < len)
+                prefetch_row(kb + (int64_t)slots[s + PREFETCH_AHEAD] * row, row);
+            const float* k = kb + (int64_t)slots[s] * row;
+            for (int64_t h = 0; h < H; h++) {
+                const float* kh = k + (h / G) * D;
+                const float* qh = qb + h * D;
+                float acc = 0.f;
+                #pragma omp simd reduction(+ : acc)
+                for (int64_t d = 0; d < D; d++) acc += qh[d] * kh[d];
+                sc[h * len + s] = acc * scale;
             }
-            for (int64_t g = 0; g < G; g++) {
-                float* sg = sc + g * len;
-                float mx = -FLT_MAX;
-                for (int64_t s = 0; s < len; s++) mx = sg[s] > mx ? sg[s] : mx;
-                float sum = 0.f;
-                for (int64_t s = 0; s < len; s++) {
-                    sg[s] = expf(sg[s] - mx);
-                    sum += sg[s];
-                }
-                const float inv = 1.f / sum;
-                for (int64_t s = 0; s < len; s++) sg[s] *= inv;
-                for (int64_t d = 0; d < D; d++) oh[g * D + d] = 0.f;
-            }
-            for (int64_t s = 0; s < len; s++) {
-                if (s + PREFETCH_AHEAD < len)
-                    prefetch_row(vb + (int64_t)slots[s + PREFETCH_AHEAD] * row + h * D, D);
-                const float* v = vb + (int64_t)slots[s] * row + h * D;
-                for (int64_t g = 0; g < G; g++) {
-                    const float p = sc[g * len + s];
-                    float* og = oh + g * D;
-                    #pragma omp simd
-                    for (int64_t d = 0; d < D; d++) og[d] += p * v[d];
-                }
-            }
-            free(sc);
         }
+        for (int64_t h = 0; h < H; h++) {
+            float* sh = sc + h * len;
+            float mx = -FLT_MAX;
+            for (int64_t s = 0; s < len; s++) mx = sh[s] > mx ? sh[s] : mx;
+            float sum = 0.f;
+            for (int64_t s = 0; s < len; s++) {
+                sh[s] = exp_nonpos(sh[s] - mx);
+                sum += sh[s];
+            }
+            const float inv = 1.f / sum;
+            for (int64_t s = 0; s < len; s++) sh[s] *= inv;
+            for (int64_t d = 0; d < D; d++) ob[h * D + d] = 0.f;
+        }
+        for (int64_t s = 0; s < len; s++) {
+            if (s + PREFETCH_AHEAD < len)
+                prefetch_row(vb + (int64_t)slots[s + PREFETCH_AHEAD] * row, row);
+            const float* v = vb + (int64_t)slots[s] * row;
+            for (int64_t h = 0; h < H; h++) {
+                const float* vh = v + (h / G) * D;
+                float* oh = ob + h * D;
+                const float p = sc[h * len + s];
+                #pragma omp simd
+                for (int64_t d = 0; d < D; d++) oh[d] += p * vh[d];
+            }
+        }
+        free(sc);
     }
 }
 """
@@ -178,7 +197,7 @@ def load_cpu_decode_kernel() -> CpuDecodeKernel | None:
             src = Path(tmp) / "decode_attention.c"
             src.write_text(_SOURCE, encoding="utf-8")
             tmp_lib = Path(tmp) / "decode_attention.so"
-            cmd = [compiler, *_FLAGS, "-shared", str(src), "-o", str(tmp_lib), "-lm"]
+            cmd = [compiler, *_FLAGS, "-shared", str(src), "-o", str(tmp_lib)]
             result = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if result.returncode != 0:
                 return None

@@ -113,7 +113,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         self.kv_cache.set_kv(layer_id, batch.out_cache_loc, k, v)
         k_buf = self.kv_cache.k_buffers[layer_id]
         v_buf = self.kv_cache.v_buffers[layer_id]
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         gqa = self.num_heads != self.num_kv_heads
 
         for req in meta.extends:
@@ -129,7 +129,6 @@ class TorchNativeAttnBackend(AttentionBackend):
         if batch.num_decodes:
             qd = q[meta.decode_start :]
             if self.decode_kernel is not None:
-                od = torch.empty_like(qd)
                 self.decode_kernel(
                     qd.contiguous(),
                     k_buf,
@@ -137,7 +136,7 @@ class TorchNativeAttnBackend(AttentionBackend):
                     self.req_to_token.req_to_token,
                     meta.decode_req_slots,
                     meta.decode_seq_lens,
-                    od,
+                    out[meta.decode_start :],  # a contiguous tail: written in place
                     self.scale,
                 )
             else:
@@ -147,5 +146,5 @@ class TorchNativeAttnBackend(AttentionBackend):
                 od = F.scaled_dot_product_attention(
                     qd.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, enable_gqa=gqa
                 ).squeeze(2)
-            out[meta.decode_start :] = od
+                out[meta.decode_start :] = od
         return out.view(q.shape[0], -1)
