@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from plan_builder import Driver, Work
+from plan_builder import Driver, Work, build_plan
 from rsgl.layers.attention.torch_native import TorchNativeAttnBackend
 from rsgl.model_executor.model_runner import ModelRunner
 
@@ -153,3 +153,14 @@ def test_future_map_placeholder_resolves_to_previous_sample(driver: Driver) -> N
     out = driver.run([driver.work(seq, 1)])
     assert out.logits is not None and ref.logits is not None
     np.testing.assert_allclose(out.logits[0].numpy(), ref.logits[0].numpy(), atol=ATOL, rtol=0)
+
+
+def test_idle_plan_applies_writes_and_computes_nothing(driver: Driver) -> None:
+    plan = build_plan([])
+    plan.forward_mode = "idle"
+    plan.write_rows = np.array([3], dtype=np.int64)
+    plan.write_cols = np.array([0], dtype=np.int64)
+    plan.write_slots = np.array([42], dtype=np.int64)
+    out = driver.runner.step(plan)
+    assert out.next_token_ids.shape == (0,)
+    assert int(driver.runner.req_to_token.req_to_token[3, 0]) == 42

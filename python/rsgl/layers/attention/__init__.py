@@ -18,14 +18,15 @@ def create_attention_backend(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    **options: bool | None,
 ) -> AttentionBackend:
-    """Instantiate the backend registered as `name`."""
+    """Instantiate the backend registered as `name` (`options` go to its constructor)."""
     try:
         cls = ATTENTION_BACKENDS[name]
     except KeyError:
         known = ", ".join(sorted(ATTENTION_BACKENDS))
         raise ValueError(f"unknown attention backend {name!r}; available: {known}") from None
-    return cls(kv_cache, req_to_token, num_heads, num_kv_heads, head_dim)
+    return cls(kv_cache, req_to_token, num_heads, num_kv_heads, head_dim, **options)
 
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "create_attention_backend"]

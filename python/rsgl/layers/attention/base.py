@@ -28,7 +28,10 @@ class AttentionBackend(ABC):
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
+        **options: bool | None,
     ) -> None:
+        if options:
+            raise TypeError(f"{type(self).__name__} takes no options {sorted(options)}")
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads do not divide into {num_kv_heads} groups")
         self.kv_cache = kv_cache
