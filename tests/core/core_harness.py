@@ -81,24 +81,37 @@ class FakeExecutor:
             self.finished[f.rid] = f.finish_reason
         return outcome
 
-    def run(self, overlap: bool = False, max_steps: int = 100_000) -> int:
-        """Steps until nothing is left; with `overlap`, plans step N+1 before landing step N."""
+    def run(self, overlap: bool = False, steps_limit: int | None = None) -> int:
+        """Steps until nothing is left (or `steps_limit` steps, then lands what is in flight);
+        with `overlap`, plans step N+1 before landing step N."""
         inflight: list[tuple[Plan, np.ndarray]] = []
-        steps = 0
-        while self.core.has_work or inflight:
+        steps, max_steps = 0, 100_000
+        while (self.core.has_work or inflight) and steps != steps_limit:
             plan = self.core.schedule()
             self.core.check()
             self.plans.append(plan)
             for f in plan.aborted:
                 self.finished[f.rid] = f.finish_reason
             if plan.forward_mode != "idle":
+                self.assert_no_slot_reuse_in_flight(plan, [p for p, _ in inflight])
                 inflight.append((plan, self.execute(plan)))
             keep = 1 if overlap and plan.forward_mode != "idle" else 0
             while len(inflight) > keep:
                 self.land(*inflight.pop(0))
             steps += 1
             assert steps < max_steps, f"no progress: {self.core.stats()}"
+        while inflight:
+            self.land(*inflight.pop(0))
         return steps
+
+    @staticmethod
+    def assert_no_slot_reuse_in_flight(plan: Plan, inflight: list[Plan]) -> None:
+        """A request slot an in-flight step still uses must not go to another request."""
+        owner = {}
+        for p in inflight:
+            owner.update(zip(p.req_slots.tolist(), p.rids.tolist()))
+        for slot, rid in zip(plan.req_slots.tolist(), plan.rids.tolist()):
+            assert owner.get(slot, rid) == rid, f"slot {slot} reused by {rid} while in flight"
 
     def assert_outputs_undisturbed(self) -> None:
         for rid, out in self.outputs.items():

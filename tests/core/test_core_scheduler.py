@@ -182,12 +182,15 @@ def test_finish_with_a_stop_string_releases_the_request() -> None:
 def test_stop_token_ids_and_min_new_tokens() -> None:
     ex = make()
     stop = fake_token(1, 1)
-    ex.add(1, prompt_of(1, 5), 20, stop_token_ids=[stop], ignore_eos=True)
+    ex.add(1, prompt_of(1, 5), 20, stop_token_ids=[stop])
     ex.add(2, prompt_of(2, 5), 20, stop_token_ids=[fake_token(2, 1)], min_new_tokens=3)
     ex.run()
     assert ex.finished[1] == {"type": "stop", "matched": stop}
     assert len(ex.outputs[1]) == 2
     assert len(ex.outputs[2]) == 20  # the stop token came before min_new_tokens
+    ex.add(3, prompt_of(3, 5), 20, stop_token_ids=[fake_token(3, 1)], ignore_eos=True)
+    ex.run()
+    assert len(ex.outputs[3]) == 20  # ignore_eos turns stop_token_ids off too
 
 
 def test_priority_preemption_retracts_a_much_less_important_request() -> None:
@@ -235,12 +238,24 @@ def test_lpm_orders_by_cached_prefix_and_defers_in_batch_duplicates() -> None:
 
 @pytest.mark.parametrize("policy", ["fcfs", "lpm", "dfs-weight", "lof", "random", "priority"])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_every_policy_serves_a_shared_prefix_workload(policy: str, page_size: int) -> None:
-    ex = make(max_total_tokens=2048, schedule_policy=policy, page_size=page_size, max_running=8)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_every_policy_serves_a_shared_prefix_workload(
+    policy: str, page_size: int, overlap: bool
+) -> None:
+    ex = make(max_total_tokens=640, schedule_policy=policy, page_size=page_size, max_running=8)
     systems = [prompt_of(900 + g, 70) for g in range(3)]
     for rid in range(24):
-        ex.add(rid, systems[rid % 3] + prompt_of(rid, 5 + rid % 7), 8 + rid % 5, ignore_eos=True)
-    ex.run(overlap=rid % 2 == 0)
+        if rid == 12:
+            ex.run(overlap=overlap, steps_limit=3)  # the rest arrive while these run
+        priority = 30 * (rid % 3)  # priority policy: later arrivals can preempt
+        ex.add(
+            rid,
+            systems[rid % 3] + prompt_of(rid, 5 + rid % 7),
+            8 + rid % 5,
+            ignore_eos=True,
+            priority=priority,
+        )
+    ex.run(overlap=overlap)
     assert len(ex.finished) == 24
     ex.assert_outputs_undisturbed()
     assert ex.core.stats()["cached_tokens"] > 0

@@ -142,7 +142,12 @@ impl PrefillAdder {
         if self.need(extend_len, max_new_tokens) as f64 > self.rem_total(available_and_evictable) {
             return Err(AddResult::NoToken);
         }
-        // The first request of a round is admitted whatever its length (max_prefill_tokens).
+        self.check_input(extend_len)
+    }
+
+    /// The input budget alone: the first request of a round is admitted whatever its length;
+    /// later ones must fit in what `max_prefill_tokens` leaves.
+    pub fn check_input(&self, extend_len: usize) -> Result<(), AddResult> {
         if self.admitted > 0 && self.ceil_page(extend_len) as i64 >= self.rem_input {
             return Err(AddResult::Other);
         }

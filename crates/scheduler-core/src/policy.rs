@@ -51,9 +51,12 @@ impl FromStr for Policy {
 }
 
 impl Policy {
-    /// The policy in effect for a queue of `waiting` requests.
-    pub fn effective(self, waiting: usize) -> Policy {
-        if self == Policy::Lpm && waiting > LPM_FALLBACK_QUEUE_LEN {
+    /// The policy in effect for a queue of `waiting` requests. The cache-aware policies fall
+    /// back to fcfs without a cache (every prefix would be empty) and lpm above 128 waiting.
+    pub fn effective(self, waiting: usize, cache_disabled: bool) -> Policy {
+        let cache_aware = matches!(self, Policy::Lpm | Policy::DfsWeight);
+        let long_queue = self == Policy::Lpm && waiting > LPM_FALLBACK_QUEUE_LEN;
+        if (cache_aware && cache_disabled) || long_queue {
             Policy::Fcfs
         } else {
             self
@@ -229,8 +232,10 @@ mod tests {
 
     #[test]
     fn lpm_falls_back_to_fcfs_on_long_queues() {
-        assert_eq!(Policy::Lpm.effective(128), Policy::Lpm);
-        assert_eq!(Policy::Lpm.effective(129), Policy::Fcfs);
+        assert_eq!(Policy::Lpm.effective(128, false), Policy::Lpm);
+        assert_eq!(Policy::Lpm.effective(129, false), Policy::Fcfs);
+        assert_eq!(Policy::DfsWeight.effective(3, true), Policy::Fcfs);
+        assert_eq!(Policy::Lof.effective(300, true), Policy::Lof);
     }
 
     #[test]

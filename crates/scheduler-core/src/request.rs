@@ -52,9 +52,9 @@ pub struct SamplingLimits {
     pub max_new_tokens: usize,
     /// Stop tokens do not finish the request before this many outputs (the sampler masks them).
     pub min_new_tokens: usize,
-    /// Extra stop tokens besides the model's EOS ids.
+    /// Extra stop tokens besides the model's EOS ids (both off under `ignore_eos`).
     pub stop_token_ids: Vec<u32>,
-    /// Ignore the model's EOS ids (explicit `stop_token_ids` still stop).
+    /// Ignore every token-based stop: the model's EOS ids and `stop_token_ids`.
     pub ignore_eos: bool,
     /// Larger is more important unless the scheduler is configured otherwise.
     pub priority: i64,
@@ -171,8 +171,9 @@ impl Request {
         // The sampler masks stop tokens while fewer than min_new_tokens outputs exist, so a stop
         // counts only at output index >= min_new_tokens.
         if self.output.len() > self.limits.min_new_tokens {
-            let stop = self.limits.stop_token_ids.contains(&last)
-                || (!self.limits.ignore_eos && eos_token_ids.contains(&last));
+            // As SGLang: ignore_eos turns off every token-based stop, stop_token_ids included.
+            let stop = !self.limits.ignore_eos
+                && (self.limits.stop_token_ids.contains(&last) || eos_token_ids.contains(&last));
             if stop {
                 return Some(FinishReason::StopToken(last));
             }
@@ -204,15 +205,15 @@ mod tests {
     }
 
     #[test]
-    fn eos_stops_unless_ignored_but_explicit_stop_ids_always_stop() {
+    fn eos_and_stop_ids_stop_unless_ignore_eos() {
         let mut r = req(10, 0, false);
         r.output = vec![2];
         assert_eq!(r.check_finished(&[2]), Some(FinishReason::StopToken(2)));
-        let mut r = req(10, 0, true);
-        r.output = vec![2];
-        assert_eq!(r.check_finished(&[2]), None);
-        r.output = vec![2, 7];
+        r.output = vec![7];
         assert_eq!(r.check_finished(&[2]), Some(FinishReason::StopToken(7)));
+        let mut r = req(10, 0, true);
+        r.output = vec![2, 7];
+        assert_eq!(r.check_finished(&[2]), None);
     }
 
     #[test]

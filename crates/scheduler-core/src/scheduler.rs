@@ -635,8 +635,12 @@ impl Scheduler {
             let extend_len = key.len() + 1 - matched;
             let max_new = self.req(idx).remaining_new_tokens();
             let mut verdict = adder.check_new(extend_len, max_new, self.available_and_evictable());
+            // Preempt only for a request that passes the other budgets, or victims go for nothing.
+            let preemptible = self.cfg.policy == Policy::Priority
+                && adder.check_input(extend_len).is_ok()
+                && adder.fit_new(extend_len).is_some();
             if verdict == Err(AddResult::NoToken)
-                && self.cfg.policy == Policy::Priority
+                && preemptible
                 && self.preempt_for(idx, extend_len, max_new, &mut adder, plan)
             {
                 verdict = adder.check_new(extend_len, max_new, self.available_and_evictable());
@@ -681,7 +685,10 @@ impl Scheduler {
 
     /// The waiting queue in this round's order (lpm's in-batch duplicates left out).
     fn order_waiting(&mut self) -> Vec<usize> {
-        let policy = self.cfg.policy.effective(self.waiting.len());
+        let policy = self
+            .cfg
+            .policy
+            .effective(self.waiting.len(), self.tree.is_disabled());
         if policy == Policy::Fcfs {
             return self.waiting.clone();
         }
@@ -985,22 +992,16 @@ impl Scheduler {
             retracted = true;
         }
         if !self.ensure_free(self.decode_pages(&reqs) * p) {
-            // A lone request that cannot get a page: memory is held by a chunked prefill or by
-            // finished requests whose release waits for an in-flight step; requeue it and let
-            // those finish. With nothing else holding memory it can never run.
+            // A lone request that cannot get a page: the memory is held by a chunked prefill,
+            // by requests whose last token is in flight, or by finished requests whose release
+            // waits for an in-flight step. Requeue it; it fits once they are gone, because
+            // admission clamps every request to what an otherwise empty pool holds.
             let idx = reqs.pop().expect("one request left");
-            let others_hold_memory =
-                self.chunked.is_some() || self.live_requests() > self.running.len();
-            if others_hold_memory {
-                self.retract(idx, plan);
-                self.counters.retractions += 1;
-            } else {
-                let reason = FinishReason::Abort("out of KV cache memory".into());
-                plan.aborted.push(self.mark_finished(idx, reason));
-            }
+            self.retract(idx, plan);
+            self.counters.retractions += 1;
             retracted = true;
         }
-        if retracted {
+        if retracted && !reqs.is_empty() {
             let (decoded, max_new) = reqs.iter().fold((0, 0), |(d, m), &i| {
                 let r = self.req(i);
                 (d + r.output.len(), m + r.limits.max_new_tokens)
@@ -1020,6 +1021,8 @@ impl Scheduler {
     /// caching it. Its outputs are kept; it re-prefills prompt + outputs later. Freeing while a
     /// step that includes it is in flight is safe: steps execute in order, so any new owner
     /// writes a slot after that step has finished with it.
+    /// Its request slot is kept until no in-flight step includes it (the executor still
+    /// writes per-slot state for it, such as the FutureMap entry).
     fn retract(&mut self, idx: usize, plan: &mut Plan) {
         self.running.retain(|&i| i != idx);
         self.release_memory(idx, false);
@@ -1045,8 +1048,10 @@ impl Scheduler {
             self.pool.free(&req.kv_slots[req.prefix_len..]);
         }
         self.tree.unlock(req.last_node);
-        if let Some(slot) = req.req_slot.take() {
-            self.req_slots.free(slot);
+        if req.inflight_steps == 0 {
+            if let Some(slot) = req.req_slot.take() {
+                self.req_slots.free(slot);
+            }
         }
         req.kv_slots.clear();
         req.prefix_len = 0;
@@ -1115,11 +1120,19 @@ impl Scheduler {
             }
         }
         for e in &flight.entries {
-            let done = self.reqs[e.idx]
-                .as_ref()
-                .is_some_and(|r| r.finish.is_some() && r.inflight_steps == 0);
-            if done {
+            let Some(req) = self.reqs[e.idx].as_mut() else {
+                continue;
+            };
+            if req.inflight_steps > 0 {
+                continue;
+            }
+            if req.finish.is_some() {
                 self.release(e.idx);
+            } else if req.state == ReqState::Retracted {
+                // Retracted while this step was in flight: its request slot is free only now.
+                if let Some(slot) = req.req_slot.take() {
+                    self.req_slots.free(slot);
+                }
             }
         }
         Ok(out)
@@ -1317,7 +1330,10 @@ impl Scheduler {
             }
             let holds = req.req_slot.is_some();
             let ok = match req.state {
-                ReqState::Waiting | ReqState::Retracted => !holds && req.kv_slots.is_empty(),
+                ReqState::Waiting => !holds && req.kv_slots.is_empty(),
+                ReqState::Retracted => {
+                    (!holds || req.inflight_steps > 0) && req.kv_slots.is_empty()
+                }
                 ReqState::Chunked | ReqState::Running => holds,
                 ReqState::Finished => req.inflight_steps > 0,
             };

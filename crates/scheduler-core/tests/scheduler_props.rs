@@ -346,6 +346,10 @@ fn run(setup: Setup, ops: Vec<Op>) {
         0,
         "requests or locks left behind: {stats:?}"
     );
+    assert!(
+        stats.new_token_ratio > 0.0,
+        "new_token_ratio collapsed: {stats:?}"
+    );
     for rid in 0..d.next_rid {
         let reason = d
             .finished
@@ -378,7 +382,8 @@ fn run(setup: Setup, ops: Vec<Op>) {
                 );
             }
             FinishReason::StopString(_) => assert!(d.stopped_by_caller.contains(&rid)),
-            FinishReason::Abort(_) => assert!(out.len() <= max_new),
+            // Only the caller aborts: the scheduler itself never gives up on a request.
+            FinishReason::Abort(m) => assert!(m == "test" && out.len() <= max_new, "{rid}: {m}"),
         }
     }
 }
@@ -452,6 +457,41 @@ fn priority_preemption_inside_a_mixed_step() {
             max_new: 29,
             ignore_eos: false,
             priority: 11,
+        },
+    ];
+    run(setup, ops);
+}
+
+#[test]
+fn a_lone_decoder_waits_for_memory_held_by_an_in_flight_request() {
+    // B's last token is in flight (so it is not decoding) while A cannot get a slot: A must be
+    // requeued, not aborted, and the reservation ratio must not collapse.
+    let setup = Setup {
+        page_size: 1,
+        pool_pages: 26,
+        max_running: 3,
+        context_len: 64,
+        chunk: None,
+        policy: Policy::Fcfs,
+        mixed: false,
+        radix_off: false,
+        overlap: true,
+        conservativeness: 0.3,
+    };
+    let ops = vec![
+        Op::Add {
+            prompt_len: 5,
+            shared: 0,
+            max_new: 16,
+            ignore_eos: true,
+            priority: 0,
+        },
+        Op::Add {
+            prompt_len: 9,
+            shared: 0,
+            max_new: 7,
+            ignore_eos: true,
+            priority: 0,
         },
     ];
     run(setup, ops);
