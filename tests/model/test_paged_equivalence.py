@@ -128,7 +128,7 @@ def test_decode_kernel_matches_eager_gather(smol_runner: ModelRunner) -> None:
     v_buf = torch.randn(kv.size, kv.num_kv_heads, d, generator=gen)
     q = torch.randn(b, heads, d, generator=gen)
     out = torch.empty_like(q)
-    backend.decode_kernel(q, k_buf, v_buf, table, slots, lens, out, backend.scale)
+    backend.decode_kernel.decode_attention(q, k_buf, v_buf, table, slots, lens, out, backend.scale)
     for i, n in enumerate(lens.tolist()):
         idx = table[slots[i], :n].long()
         ref = torch.nn.functional.scaled_dot_product_attention(

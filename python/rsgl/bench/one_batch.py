@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "output_len": output_len,
         "threads": torch.get_num_threads(),
         "attention_backend": args.attention_backend,
-        "cpu_decode_kernel": getattr(backend, "decode_kernel", None) is not None,
+        "cpu_kernels": getattr(backend, "decode_kernel", None) is not None,
         "prefill_s": round(prefill_s, 3),
         "prefill_tok_s": round(batch * input_len / prefill_s, 1),
         "decode_s": round(decode_s, 3),

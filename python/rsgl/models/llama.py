@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rsgl.layers.attention.base import AttentionBackend
+from rsgl.layers.cpu_kernels import load_cpu_kernels
 from rsgl.layers.norm import RMSNorm
 from rsgl.layers.rotary import RotaryEmbedding, interleave_rotary_pairs
 from rsgl.model_executor.forward_batch import ForwardBatch
@@ -84,8 +85,14 @@ class LlamaMLP(nn.Module):
         return [self.intermediate_size, self.intermediate_size]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        kernels = load_cpu_kernels() if gate_up.device.type == "cpu" else None
+        if kernels is not None and gate_up.dtype == torch.float32:
+            act = kernels.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        out: torch.Tensor = self.down_proj(act)
         return out
 
 
@@ -102,13 +109,21 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         rotary: RotaryEmbedding,
         batch: ForwardBatch,
         attn: AttentionBackend,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, batch, attn)
-        out: torch.Tensor = hidden + self.mlp(self.post_attention_layernorm(hidden))
-        return out
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this block's MLP output, the residual stream before adding it); the next
+        norm adds the two, so each residual add is fused into a norm."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_forward(hidden, residual)
+        hidden = self.self_attn(hidden, rotary, batch, attn)
+        hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -157,11 +172,14 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids: [T] (placeholders already resolved) -> logits [B, vocab]."""
         hidden = self.model.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         for layer in self.layers:
-            hidden = layer(hidden, self.rotary, batch, attn)
+            hidden, residual = layer(hidden, residual, self.rotary, batch, attn)
         # Only the last position of each request feeds the LM head.
-        last = hidden[batch.last_token_index]
-        return F.linear(self.model.norm(last), self.lm_head_weight())
+        last = batch.last_token_index
+        assert residual is not None
+        normed, _ = self.model.norm.add_forward(hidden[last], residual[last])
+        return F.linear(normed, self.lm_head_weight())
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

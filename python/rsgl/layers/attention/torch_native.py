@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from rsgl.layers.attention.base import AttentionBackend
-from rsgl.layers.attention.cpu_decode_kernel import CpuDecodeKernel, load_cpu_decode_kernel
+from rsgl.layers.cpu_kernels import CpuKernels, load_cpu_kernels
 from rsgl.model_executor.forward_batch import ForwardBatch
 from rsgl.model_executor.kv_cache import KVCache, ReqToTokenPool
 
@@ -37,7 +37,7 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     Extends (few per step, many tokens each) run one SDPA per request with a causal mask
     offset by the cached prefix. Decodes (many per step, one token each) run batched: on CPU
-    in float32 through the fused paged kernel of `cpu_decode_kernel` when it can be built,
+    in float32 through the fused paged kernel of `rsgl.layers.cpu_kernels` when it can be built,
     otherwise by gathering every decode request's K/V padded to the longest sequence and one
     masked SDPA. Index tables and masks are built once per step in `prepare`, not per layer.
     """
@@ -52,14 +52,14 @@ class TorchNativeAttnBackend(AttentionBackend):
         use_decode_kernel: bool | None = None,
     ) -> None:
         super().__init__(kv_cache, req_to_token, num_heads, num_kv_heads, head_dim)
-        self.decode_kernel: CpuDecodeKernel | None = None
+        self.decode_kernel: CpuKernels | None = None
         eligible = kv_cache.device.type == "cpu" and kv_cache.dtype == torch.float32
         if use_decode_kernel is None:
             use_decode_kernel = eligible
         if use_decode_kernel:
             if not eligible:
                 raise ValueError("the CPU decode kernel needs a float32 KV cache on CPU")
-            self.decode_kernel = load_cpu_decode_kernel()
+            self.decode_kernel = load_cpu_kernels()
 
     def prepare(self, batch: ForwardBatch) -> None:
         table = self.req_to_token.req_to_token
@@ -129,7 +129,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         if batch.num_decodes:
             qd = q[meta.decode_start :]
             if self.decode_kernel is not None:
-                self.decode_kernel(
+                self.decode_kernel.decode_attention(
                     qd.contiguous(),
                     k_buf,
                     v_buf,

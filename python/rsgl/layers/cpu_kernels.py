@@ -1,17 +1,21 @@
-"""A fused paged decode-attention kernel for CPU, compiled on first use.
+"""Fused float32 CPU kernels, compiled on first use: paged decode attention, add+RMSNorm,
+SiLU-and-multiply.
 
 Eager PyTorch has to gather every decode request's keys and values into a padded copy before
 it can attend (measured at batch 64: the gather alone costs more than a third of the model's
-matmul time per step). This kernel reads K/V straight from the paged buffers through
-req_to_token, once, with software prefetch for the indirect rows. It is plain C (no torch
-headers, so it compiles in well under a second), built with the system C compiler into
-`~/.cache/rsgl/kernels` and called through ctypes, which releases the GIL during the call.
-When no compiler is available the torch_native backend falls back to the eager gather.
+matmul time per step). The decode kernel reads K/V straight from the paged buffers through
+req_to_token, once, with software prefetch for the indirect rows. The elementwise kernels
+replace 4-7 small torch ops each (each op pays a thread-pool round trip at decode sizes).
+
+The source is plain C (no torch headers, so it compiles in well under a second), built with
+the system C compiler into `~/.cache/rsgl/kernels` and called through ctypes, which releases
+the GIL during the call. Without a compiler every caller falls back to eager torch ops.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -26,6 +30,7 @@ from rsgl.models.cache_dir import rsgl_cache_dir
 
 _SOURCE = r"""
 #include <float.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -54,6 +59,54 @@ static inline float exp_nonpos(float x) {
     union { float f; int32_t i; } u;
     u.i = ((int32_t)n + 127) << 23;
     return p * u.f;
+}
+
+/* exp(x) for any x, through exp_nonpos: e^x = 1 / e^-x for x > 0. */
+static inline float sigmoid(float x) {
+    const float e = exp_nonpos(x > 0.f ? -x : x);
+    return x > 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+}
+
+/* residual_out = x + residual (when residual is given, else x); out = rmsnorm(that) * w. */
+void rsgl_add_rmsnorm(const float* x, const float* residual, float* residual_out,
+                      const float* w, float* out, int64_t rows, int64_t dim, float eps,
+                      int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * dim > 262144)
+    for (int64_t r = 0; r < rows; r++) {
+        const float* xr = x + r * dim;
+        float* hr = residual_out + r * dim;
+        float ss = 0.f;
+        if (residual) {
+            const float* rr = residual + r * dim;
+            #pragma omp simd reduction(+ : ss)
+            for (int64_t i = 0; i < dim; i++) {
+                const float h = xr[i] + rr[i];
+                hr[i] = h;
+                ss += h * h;
+            }
+        } else {
+            #pragma omp simd reduction(+ : ss)
+            for (int64_t i = 0; i < dim; i++) ss += xr[i] * xr[i];
+            hr = (float*)xr;
+        }
+        const float inv = 1.f / sqrtf(ss / (float)dim + eps);
+        float* o = out + r * dim;
+        #pragma omp simd
+        for (int64_t i = 0; i < dim; i++) o[i] = w[i] * (hr[i] * inv);
+    }
+}
+
+/* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i] */
+void rsgl_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter,
+                   int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * inter > 262144)
+    for (int64_t r = 0; r < rows; r++) {
+        const float* g = gate_up + r * 2 * inter;
+        const float* u = g + inter;
+        float* o = out + r * inter;
+        #pragma omp simd
+        for (int64_t i = 0; i < inter; i++) o[i] = g[i] * sigmoid(g[i]) * u[i];
+    }
 }
 
 /* out[b, h] = softmax(q[b, h] . K[b]^T * scale) V[b] for one query per request, where the
@@ -119,18 +172,30 @@ void rsgl_decode_attention(
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC"]
 
 
-class CpuDecodeKernel:
-    """ctypes handle on the compiled `rsgl_decode_attention`."""
+def _check(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if not t.is_contiguous() or t.device.type != "cpu" or t.dtype != torch.float32:
+            raise ValueError("CPU kernels take contiguous float32 CPU tensors")
+
+
+class CpuKernels:
+    """ctypes handles on the compiled kernels; every method writes into `out`."""
 
     def __init__(self, library: Path) -> None:
         self.library = library
-        self._fn = ctypes.CDLL(str(library)).rsgl_decode_attention
-        self._fn.restype = None
-        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
-        self._fn.argtypes += [ctypes.c_float, ctypes.c_int]
+        lib = ctypes.CDLL(str(library))
+        ptr, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+        self._decode = lib.rsgl_decode_attention
+        self._decode.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
+        self._decode.argtypes += [f32, i32]
+        self._add_rmsnorm = lib.rsgl_add_rmsnorm
+        self._add_rmsnorm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, f32, i32]
+        self._silu_mul = lib.rsgl_silu_mul
+        self._silu_mul.argtypes = [ptr, ptr, i64, i64, i32]
+        for fn in (self._decode, self._add_rmsnorm, self._silu_mul):
+            fn.restype = None
 
-    def __call__(
+    def decode_attention(
         self,
         q: torch.Tensor,
         k_buffer: torch.Tensor,
@@ -141,16 +206,17 @@ class CpuDecodeKernel:
         out: torch.Tensor,
         scale: float,
     ) -> None:
-        """q/out: [B, H, D] float32; buffers [N, Hkv, D]; req_slots/seq_lens int64 [B]."""
-        for t in (q, k_buffer, v_buffer, req_to_token, req_slots, seq_lens, out):
+        """q/out: [B, H, D]; buffers [N, Hkv, D]; req_to_token int32; slots/lens int64 [B]."""
+        _check(q, k_buffer, v_buffer, out)
+        for t in (req_to_token, req_slots, seq_lens):
             if not t.is_contiguous() or t.device.type != "cpu":
-                raise ValueError("decode kernel inputs must be contiguous CPU tensors")
-        if q.dtype != torch.float32 or k_buffer.dtype != torch.float32:
-            raise ValueError("decode kernel runs float32 only")
+                raise ValueError("CPU kernels take contiguous CPU tensors")
         if req_to_token.dtype != torch.int32 or req_slots.dtype != torch.int64:
             raise ValueError("decode kernel wants int32 req_to_token and int64 request slots")
+        if seq_lens.dtype != torch.int64:
+            raise ValueError("decode kernel wants int64 seq_lens")
         b, h, d = q.shape
-        self._fn(
+        self._decode(
             q.data_ptr(),
             k_buffer.data_ptr(),
             v_buffer.data_ptr(),
@@ -167,6 +233,41 @@ class CpuDecodeKernel:
             torch.get_num_threads(),
         )
 
+    def add_rmsnorm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rmsnorm(x + residual) * weight, x + residual); without residual, (norm(x), x)."""
+        _check(x, weight) if residual is None else _check(x, residual, weight)
+        rows, dim = x.shape
+        out = torch.empty_like(x)
+        summed = x if residual is None else torch.empty_like(x)
+        self._add_rmsnorm(
+            x.data_ptr(),
+            None if residual is None else residual.data_ptr(),
+            summed.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            rows,
+            dim,
+            eps,
+            torch.get_num_threads(),
+        )
+        return out, summed
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate_up = [gate | up] ([rows, 2 * inter])."""
+        _check(gate_up)
+        rows, width = gate_up.shape
+        out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+        self._silu_mul(
+            gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads()
+        )
+        return out
+
 
 def _cpu_fingerprint() -> str:
     # -march=native code must not be reused on a CPU with other instruction sets.
@@ -178,25 +279,26 @@ def _cpu_fingerprint() -> str:
     return platform.machine() + flags
 
 
-def load_cpu_decode_kernel() -> CpuDecodeKernel | None:
-    """Compile (once per source/CPU) and load the kernel; None when it cannot be built.
+@functools.lru_cache(maxsize=1)
+def load_cpu_kernels() -> CpuKernels | None:
+    """Compile (once per source and CPU) and load the kernels; None when they cannot be built.
 
-    Set RSGL_CPU_DECODE_KERNEL=0 to force the eager path.
+    Set RSGL_CPU_KERNELS=0 to force the eager torch paths.
     """
-    if os.environ.get("RSGL_CPU_DECODE_KERNEL", "1") == "0":
+    if os.environ.get("RSGL_CPU_KERNELS", "1") == "0":
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
     key = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + _cpu_fingerprint()).encode()).hexdigest()
     out_dir = rsgl_cache_dir() / "kernels"
-    library = out_dir / f"decode_attention-{key[:16]}.so"
+    library = out_dir / f"cpu_kernels-{key[:16]}.so"
     if not library.exists():
         out_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-            src = Path(tmp) / "decode_attention.c"
+            src = Path(tmp) / "cpu_kernels.c"
             src.write_text(_SOURCE, encoding="utf-8")
-            tmp_lib = Path(tmp) / "decode_attention.so"
+            tmp_lib = Path(tmp) / "cpu_kernels.so"
             cmd = [compiler, *_FLAGS, "-shared", str(src), "-o", str(tmp_lib)]
             result = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if result.returncode != 0:
@@ -204,6 +306,6 @@ def load_cpu_decode_kernel() -> CpuDecodeKernel | None:
             # Rename is atomic, so concurrent first loads never see a half-written library.
             os.replace(tmp_lib, library)
     try:
-        return CpuDecodeKernel(library)
+        return CpuKernels(library)
     except OSError:
         return None
