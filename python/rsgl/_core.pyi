@@ -38,7 +38,6 @@ class Plan:
     write_slots: I64
     admitted: I64
     retracted: I64
-    aborted: list[Finished]
 
 class Outcome:
     rids: I64

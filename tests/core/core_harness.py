@@ -90,8 +90,6 @@ class FakeExecutor:
             plan = self.core.schedule()
             self.core.check()
             self.plans.append(plan)
-            for f in plan.aborted:
-                self.finished[f.rid] = f.finish_reason
             if plan.forward_mode != "idle":
                 self.assert_no_slot_reuse_in_flight(plan, [p for p, _ in inflight])
                 inflight.append((plan, self.execute(plan)))

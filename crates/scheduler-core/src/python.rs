@@ -147,7 +147,6 @@ pub struct PyPlan {
     write_slots: Py<PyArray1<i64>>,
     admitted: Py<PyArray1<i64>>,
     retracted: Py<PyArray1<i64>>,
-    aborted: Vec<Py<PyFinished>>,
 }
 
 #[pymethods]
@@ -288,7 +287,6 @@ impl PyScheduler {
             write_slots: array(py, p.write_slots),
             admitted: array(py, p.admitted),
             retracted: array(py, p.retracted),
-            aborted: finished_list(py, p.aborted)?,
         })
     }
 

@@ -162,8 +162,6 @@ pub struct Plan {
     pub admitted: Vec<i64>,
     /// Requests retracted or preempted back to the waiting queue while planning this step.
     pub retracted: Vec<i64>,
-    /// Requests the scheduler had to abort while planning (they can never fit the pool).
-    pub aborted: Vec<Finished>,
     /// The first `num_extends` requests extend; the rest decode.
     pub num_extends: usize,
 }

@@ -148,9 +148,6 @@ impl Driver {
     fn launch(&mut self) -> bool {
         let plan = self.s.schedule();
         self.check();
-        for f in &plan.aborted {
-            self.finished.insert(f.rid, f.reason.clone());
-        }
         if plan.mode == ForwardMode::Idle {
             assert!(plan.rids.is_empty());
             return false;
