@@ -1,0 +1,61 @@
+"""The compiled CPU kernels agree with the eager torch ops they replace."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import rsgl.layers.norm
+import rsgl.models.llama
+import torch
+from plan_builder import Driver
+from rsgl.layers.attention.torch_native import TorchNativeAttnBackend
+from rsgl.layers.cpu_kernels import CpuKernels, load_cpu_kernels
+from rsgl.model_executor.model_runner import ModelRunner
+
+
+@pytest.fixture
+def kernels() -> CpuKernels:
+    loaded = load_cpu_kernels()
+    if loaded is None:
+        pytest.skip("no C compiler: the eager paths are the only paths")
+    return loaded
+
+
+def test_add_rmsnorm_matches_torch(kernels: CpuKernels) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, res, w = (torch.randn(37, 576, generator=gen) for _ in range(3))
+    w = w[0].contiguous()
+    out, summed = kernels.add_rmsnorm(x, res, w, 1e-5)
+    h = x + res
+    ref = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(summed, h, atol=0, rtol=0)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    alone, same = kernels.add_rmsnorm(x, None, w, 1e-5)
+    assert same is x
+    torch.testing.assert_close(
+        alone, w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_silu_mul_matches_torch_over_a_wide_range(kernels: CpuKernels) -> None:
+    gate_up = torch.randn(9, 2 * 300, generator=torch.Generator().manual_seed(1)) * 30
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(
+        kernels.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5
+    )
+
+
+def test_whole_model_eager_paths_match_kernel_paths(
+    driver: Driver, smol_runner: ModelRunner, monkeypatch: pytest.MonkeyPatch, kernels: CpuKernels
+) -> None:
+    prompt = np.random.default_rng(4).integers(100, 40000, size=30).tolist()
+    with_kernels, logits_k = driver.greedy(driver.admit(0, prompt), 4)
+    backend = smol_runner.attn
+    assert isinstance(backend, TorchNativeAttnBackend)
+    monkeypatch.setattr(backend, "decode_kernel", None)
+    monkeypatch.setattr(rsgl.layers.norm, "load_cpu_kernels", lambda: None)
+    monkeypatch.setattr(rsgl.models.llama, "load_cpu_kernels", lambda: None)
+    eager, logits_e = driver.greedy(driver.admit(1, prompt), 4)
+    assert eager == with_kernels
+    for a, b in zip(logits_k, logits_e):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
