@@ -416,6 +416,7 @@ impl PyScheduler {
         d.set_item("kv_len", r.kv_len())?;
         d.set_item("prefix_len", r.prefix_len)?;
         d.set_item("req_slot", r.req_slot)?;
+        d.set_item("cached_tokens", r.cached_tokens)?;
         Ok(Some(d))
     }
 }

@@ -1,0 +1,305 @@
+"""The scheduling loop: rsgl._core plans, the model runner executes, Python streams results.
+
+One thread runs the loop; a second, the CPU "stream", executes launched steps in order (a
+single-worker executor). In overlap mode (default) the loop plans and launches step N+1
+before it reads step N's tokens, so Python/Rust scheduling and detokenization overlap the
+torch forward (torch releases the GIL in its ops). A decode input that is not on the host
+yet is a placeholder the runner resolves from its FutureMap. The core defers every free a
+still-running step could observe, so the loop never has to reason about that itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rsgl._core import Plan, Scheduler
+from rsgl.layers.sampling_params import SamplingParams
+from rsgl.model_executor.model_runner import ModelRunner, StepOutput
+from rsgl.tokenizer.detokenizer import Decoder, IncrementalDetokenizer
+
+logger = logging.getLogger(__name__)
+
+# An update for one request: (text delta, new token ids, finished meta_info or None).
+Deliver = Callable[[str, list[int], dict[str, Any] | None], None]
+
+
+@dataclass(slots=True)
+class Request:
+    """What the loop needs to know of one request beyond what the core tracks."""
+
+    rid: str
+    core_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    deliver: Deliver
+    detok: IncrementalDetokenizer
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    arrival: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(slots=True)
+class _Launched:
+    plan: Plan
+    result: Future[StepOutput]
+
+
+class SchedulerLoop:
+    """Drives `core` and `runner`; requests and commands arrive through a queue.
+
+    Every public method is thread-safe: it enqueues a command for the loop thread, which
+    alone touches the core, the runner and request state.
+    """
+
+    def __init__(
+        self,
+        core: Scheduler,
+        runner: ModelRunner,
+        tokenizer: Decoder,
+        *,
+        overlap: bool = True,
+    ) -> None:
+        self.core = core
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.overlap = overlap
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._requests: dict[int, Request] = {}
+        self._by_rid: dict[str, int] = {}
+        self._next_core_id = 0
+        self._stream = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rsgl-stream")
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.error: BaseException | None = None
+        self.steps = 0
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        """Starts the loop thread (once)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="rsgl-loop", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        """Aborts what is left, stops the loop and the stream."""
+        if self._thread is not None:
+            self._inbox.put(self._stop)
+            self._thread.join()
+            self._thread = None
+        self._stream.shutdown(wait=True)
+
+    def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
+        """Runs `fn` on the loop thread and returns its result."""
+        if self._thread is None or self.error is not None:
+            raise RuntimeError(f"the engine loop is not running: {self.error!r}")
+        done: Future[Any] = Future()
+
+        def run() -> None:
+            try:
+                done.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                done.set_exception(exc)
+
+        self._inbox.put(run)
+        return done.result(timeout)
+
+    # ---------------------------------------------------------------- commands
+
+    def submit(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        deliver: Deliver,
+    ) -> None:
+        """Queues a request; raises ValueError (from the core) if it can never run."""
+
+        def add() -> None:
+            if rid in self._by_rid:
+                raise ValueError(f"request id {rid!r} is already in use")
+            core_id = self._next_core_id
+            self.core.add_request(
+                core_id,
+                np.asarray(prompt_ids, dtype=np.int64),
+                params.max_new_tokens,
+                min_new_tokens=params.min_new_tokens,
+                stop_token_ids=params.stop_token_ids,
+                ignore_eos=params.ignore_eos,
+            )
+            self._next_core_id += 1
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens
+            )
+            self._requests[core_id] = Request(rid, core_id, prompt_ids, params, deliver, detok)
+            self._by_rid[rid] = core_id
+
+        self.call(add)
+
+    def abort(self, rid: str, message: str = "aborted by the client") -> bool:
+        """Aborts a request; False if it is unknown or already finished."""
+
+        def abort() -> bool:
+            core_id = self._by_rid.get(rid)
+            if core_id is None:
+                return False
+            status = self.core.abort(core_id, message)
+            if status == "removed":
+                req = self._requests[core_id]
+                self._complete(req, {"type": "abort", "message": message}, cached_tokens=0)
+            return status != "unknown"
+
+        return bool(self.call(abort))
+
+    # ---------------------------------------------------------------- the loop
+
+    def _stop(self) -> None:
+        self._stopping = True
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            command = self._inbox.get(block=block)
+            command()
+            while True:
+                self._inbox.get_nowait()()
+        except queue.Empty:
+            pass
+
+    def _run(self) -> None:
+        launched: _Launched | None = None
+        try:
+            while not self._stopping:
+                idle = launched is None and not self.core.has_work
+                if idle:
+                    # Idle: verify the bookkeeping, then block until something arrives.
+                    self.core.check()
+                self._drain_inbox(block=idle)
+                if self._stopping:
+                    break
+                plan = self.core.schedule()
+                nxt = None
+                if plan.forward_mode != "idle":
+                    admissions = self._admissions(plan)
+                    nxt = _Launched(plan, self._stream.submit(self._execute, plan, admissions))
+                    self.steps += 1
+                if launched is not None:
+                    self._process(launched)
+                launched = nxt
+                if launched is not None and not self.overlap:
+                    self._process(launched)
+                    launched = None
+            if launched is not None:
+                self._process(launched)
+            self._abort_all("the engine is shutting down")
+        except BaseException as exc:  # the engine reports it; requests must not hang
+            logger.exception("rsgl scheduler loop failed")
+            self.error = exc
+            self._abort_all(f"engine error: {exc!r}")
+
+    def _admissions(self, plan: Plan) -> list[tuple[int, SamplingParams, list[int], list[int]]]:
+        """Per-slot sampling state for requests that got a request slot in this plan."""
+        if len(plan.admitted) == 0:
+            return []
+        slot_of = dict(zip(plan.rids.tolist(), plan.req_slots.tolist()))
+        out = []
+        for core_id in plan.admitted.tolist():
+            req = self._requests[core_id]
+            out.append((slot_of[core_id], req.params, req.prompt_ids, list(req.output_ids)))
+        return out
+
+    def _execute(
+        self, plan: Plan, admissions: list[tuple[int, SamplingParams, list[int], list[int]]]
+    ) -> StepOutput:
+        """On the stream: admit new slots, then run the step (in launch order)."""
+        for slot, params, prompt_ids, output_ids in admissions:
+            self.runner.admit(slot, params, prompt_ids, output_ids)
+        return self.runner.step(plan)
+
+    def _process(self, launched: _Launched) -> None:
+        """Reads a step's tokens, commits them, streams text and finishes requests."""
+        out = launched.result.result()
+        tokens = out.next_token_ids.cpu().numpy()
+        outcome = self.core.commit(launched.plan.id, tokens)
+        index = None
+        if out.sample.token_logprobs is not None:
+            index = {rid: i for i, rid in enumerate(launched.plan.rids.tolist())}
+        # As SGLang: the text of a request stopped by a token leaves that token out.
+        stopped_by_token = {
+            f.rid for f in outcome.finished if isinstance(f.finish_reason.get("matched"), int)
+        }
+        for core_id, token in zip(outcome.rids.tolist(), outcome.tokens.tolist()):
+            req = self._requests[core_id]
+            req.output_ids.append(token)
+            if index is not None and req.params.return_logprob:
+                req.logprobs.append(_logprob_entry(out, index[core_id], req.params, token))
+            if core_id in stopped_by_token:
+                continue
+            delta = req.detok.add(token)
+            if req.detok.matched_stop is not None:
+                cached = self._cached_tokens_of(req)
+                self.core.finish(core_id, req.detok.matched_stop)
+                reason = {"type": "stop", "matched": req.detok.matched_stop}
+                self._complete(req, reason, cached_tokens=cached, last_delta=delta, token=token)
+            elif delta:
+                req.deliver(delta, [token], None)
+            else:
+                req.deliver("", [token], None)
+        for f in outcome.finished:
+            done = self._requests.get(f.rid)
+            if done is not None:
+                self._complete(done, f.finish_reason, cached_tokens=f.cached_tokens)
+
+    def _complete(
+        self,
+        req: Request,
+        reason: dict[str, Any],
+        cached_tokens: int | None,
+        last_delta: str = "",
+        token: int | None = None,
+    ) -> None:
+        del self._requests[req.core_id]
+        self._by_rid.pop(req.rid, None)
+        if cached_tokens is None:
+            cached_tokens = int(self._cached_tokens_of(req))
+        meta = {
+            "id": req.rid,
+            "finish_reason": reason,
+            "prompt_tokens": len(req.prompt_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": cached_tokens,
+            "e2e_latency": time.perf_counter() - req.arrival,
+        }
+        if req.params.return_logprob:
+            meta["output_token_logprobs"] = req.logprobs
+        text = last_delta + req.detok.finish()
+        req.deliver(text, [] if token is None else [token], meta)
+
+    def _cached_tokens_of(self, req: Request) -> int:
+        info = self.core.request_info(req.core_id)
+        return 0 if info is None else int(info.get("cached_tokens", 0))
+
+    def _abort_all(self, message: str) -> None:
+        for req in list(self._requests.values()):
+            self._complete(req, {"type": "abort", "message": message}, cached_tokens=0)
+
+
+def _logprob_entry(out: StepOutput, i: int, params: SamplingParams, token: int) -> dict[str, Any]:
+    s = out.sample
+    assert s.token_logprobs is not None
+    entry: dict[str, Any] = {"token_id": token, "logprob": float(s.token_logprobs[i])}
+    if params.top_logprobs_num and s.top_logprob_ids is not None and s.top_logprobs is not None:
+        n = params.top_logprobs_num
+        entry["top_logprobs"] = [
+            {"token_id": int(t), "logprob": float(lp)}
+            for t, lp in zip(s.top_logprob_ids[i, :n].tolist(), s.top_logprobs[i, :n].tolist())
+        ]
+    return entry
