@@ -16,6 +16,7 @@ import json
 import time
 
 import numpy as np
+
 from rsgl._core import RadixTree, TokenPool
 
 

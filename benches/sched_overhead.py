@@ -15,6 +15,7 @@ import json
 import time
 
 import numpy as np
+
 from rsgl._core import Scheduler
 
 

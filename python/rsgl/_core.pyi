@@ -1,15 +1,15 @@
 """Type stubs for rsgl._core, the Rust scheduling core (crates/scheduler-core)."""
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
 
 FUTURE_TOKEN: int
 
-I64 = npt.NDArray[np.int64]
-U32 = npt.NDArray[np.uint32]
+I64: TypeAlias = npt.NDArray[np.int64]
+U32: TypeAlias = npt.NDArray[np.uint32]
 
 class Finished:
     rid: int

@@ -13,6 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from rsgl._core import FUTURE_TOKEN, Outcome, Plan, Scheduler
 
 VOCAB = 1000

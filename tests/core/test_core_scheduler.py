@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from core_harness import FakeExecutor, fake_token
+
 from rsgl._core import FUTURE_TOKEN, Scheduler
 
 

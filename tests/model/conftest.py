@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 from plan_builder import Driver
+
 from rsgl.model_executor.model_runner import ModelRunner
 from rsgl.models.loader import load_tokenizer
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from rsgl.layers.sampling_params import SamplingParams
 from rsgl.model_executor.model_runner import ModelRunner, StepOutput
 

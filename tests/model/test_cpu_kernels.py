@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import rsgl.layers.norm
-import rsgl.models.llama
 import torch
 from plan_builder import Driver
+
+import rsgl.layers.norm
+import rsgl.models.llama
 from rsgl.layers.attention.torch_native import TorchNativeAttnBackend
 from rsgl.layers.cpu_kernels import CpuKernels, load_cpu_kernels
 from rsgl.model_executor.model_runner import ModelRunner

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from rsgl.model_executor.forward_batch import ForwardBatch, ForwardMode
 from rsgl.model_executor.future_map import FutureMap
 

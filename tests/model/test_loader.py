@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from rsgl.models.loader import embedded_gguf_path, load_model, resolve_model_dir
 
 

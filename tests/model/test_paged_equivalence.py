@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from plan_builder import Driver, Work, build_plan
+
 from rsgl.layers.attention.torch_native import TorchNativeAttnBackend
 from rsgl.model_executor.model_runner import ModelRunner
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from rsgl.layers.sampler import Sampler, SlotSamplingState, exponential_noise, filtered_probs
 from rsgl.layers.sampling_params import SamplingParams
 

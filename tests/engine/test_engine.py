@@ -1,0 +1,210 @@
+"""rsgl.Engine on the embedded SmolLM2: scheduling modes give the same greedy tokens,
+prefix caching, stop strings, streaming, multi-byte text, aborts and input validation."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import rsgl
+from rsgl.engine import Engine
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": 24}
+SUBJECTS = [
+    "the ocean",
+    "a small robot",
+    "winter in Paris",
+    "prime numbers",
+    "an old lighthouse",
+    "coffee",
+    "the moon landing",
+    "a lost key",
+]
+FORMS = [
+    "Write one sentence about {}.",
+    "Q: What do you know about {}?\nA:",
+    "{} is",
+    "List three facts about {}:\n1.",
+]
+PROMPTS = [form.format(subject) for form in FORMS for subject in SUBJECTS]  # 32 prompts
+
+
+def make_engine(**options: Any) -> Engine:
+    options.setdefault("max_total_tokens", 16384)
+    return rsgl.Engine(**options)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Engine]:
+    with make_engine() as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def baseline(engine: Engine) -> list[list[int]]:
+    outs = engine.generate(PROMPTS, GREEDY)
+    return [o["output_ids"] for o in outs]
+
+
+def run_all(**options: Any) -> tuple[list[list[int]], dict[str, Any]]:
+    with make_engine(**options) as llm:
+        outs = llm.generate(PROMPTS, GREEDY)
+        llm.check_integrity()
+        return [o["output_ids"] for o in outs], llm.get_server_info()["stats"]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"disable_overlap_schedule": True},
+        {"disable_radix_cache": True},
+        {"chunked_prefill_size": 64},
+    ],
+    ids=["overlap-off", "radix-off", "chunk-64"],
+)
+def test_scheduling_modes_give_identical_greedy_outputs(
+    options: dict[str, Any], baseline: list[list[int]]
+) -> None:
+    outputs, _ = run_all(**options)
+    assert outputs == baseline
+
+
+def test_retraction_in_a_small_pool_keeps_greedy_outputs(baseline: list[list[int]]) -> None:
+    outputs, stats = run_all(max_total_tokens=700, schedule_conservativeness=0.05)
+    assert stats["retractions"] > 0, "the pool was meant to force retraction"
+    assert outputs == baseline
+
+
+def test_batched_outputs_match_solo_outputs(engine: Engine, baseline: list[list[int]]) -> None:
+    solo = [engine.generate(p, GREEDY)["output_ids"] for p in PROMPTS[:16]]
+    same = sum(a == b for a, b in zip(solo, baseline[:16]))
+    print(f"batched == solo for {same}/16 requests")
+    assert same / 16 >= 0.9
+
+
+def test_repeated_long_prompt_hits_the_prefix_cache(engine: Engine) -> None:
+    long_prompt = " ".join(f"Item {i}: a note about topic number {i}." for i in range(40))
+    first = engine.generate(long_prompt, GREEDY)
+    second = engine.generate(long_prompt, GREEDY)
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert second["meta_info"]["cached_tokens"] > 0.9 * second["meta_info"]["prompt_tokens"]
+    assert second["text"] == first["text"]
+
+
+def _boundary_stop(engine: Engine, prompt: str) -> tuple[str, str]:
+    """A stop string that spans two output tokens of the prompt's greedy continuation, and
+    the text that should come out when stopping there."""
+    ids = engine.generate(prompt, GREEDY)["output_ids"]
+    pieces = [engine.tokenizer.decode(ids[: i + 1]) for i in range(len(ids))]
+    for i in range(3, len(ids) - 1):
+        a, b = pieces[i - 1], pieces[i]
+        if len(a) >= 2 and len(b) - len(a) >= 2 and a[-2:].strip() and b[len(a) :][:2].strip():
+            stop = a[-2:] + b[len(a) : len(a) + 2]
+            expected = b[: b.index(stop)]
+            if stop not in expected and stop in b:
+                return stop, expected
+    pytest.fail("no token boundary to put a stop string on")
+
+
+def test_stop_strings_across_token_boundaries_stream_and_not(engine: Engine) -> None:
+    prompt = PROMPTS[8]
+    stop, expected = _boundary_stop(engine, prompt)
+    params = dict(GREEDY, stop=[stop])
+    whole = engine.generate(prompt, params)
+    assert whole["text"] == expected
+    assert whole["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    chunks = list(engine.generate(prompt, params, stream=True))
+    assert "".join(c["text"] for c in chunks) == expected
+    assert chunks[-1]["meta_info"]["finish_reason"]["matched"] == stop
+
+
+def test_streamed_chunks_concatenate_to_the_full_text(engine: Engine) -> None:
+    for prompt in PROMPTS[:4]:
+        whole = engine.generate(prompt, GREEDY)
+        chunks = list(engine.generate(prompt, GREEDY, stream=True))
+        assert "".join(c["text"] for c in chunks) == whole["text"]
+        assert [t for c in chunks for t in c["output_ids"]] == whole["output_ids"]
+
+
+def test_multibyte_output_never_shows_a_replacement_character(engine: Engine) -> None:
+    prompt = "Here are my favourite emojis: 😀 🎉 🚀 🌍"
+    params = {"temperature": 0.0, "max_new_tokens": 30}
+    whole = engine.generate(prompt, params)
+    # The test means something only if characters were split across tokens.
+    split = [t for t in whole["output_ids"] if "\ufffd" in engine.tokenizer.decode([t])]
+    assert split, whole["text"]
+    assert any(ord(ch) > 0xFFFF for ch in whole["text"])
+    chunks = [c["text"] for c in engine.generate(prompt, params, stream=True)]
+    assert "\ufffd" not in whole["text"]
+    assert all("\ufffd" not in c for c in chunks)
+    assert "".join(chunks) == whole["text"]
+
+
+def test_abort_of_a_queued_and_a_running_request() -> None:
+    with make_engine(max_running_requests=1) as llm:
+        long = {"temperature": 0.0, "max_new_tokens": 400, "ignore_eos": True}
+        results: dict[str, Any] = {}
+
+        def run(rid: str) -> None:
+            results[rid] = llm.generate("Count slowly:", long, rid=rid)
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in ("running", "queued")]
+        threads[0].start()
+        time.sleep(1.0)  # "running" holds the only request slot by now
+        threads[1].start()
+        time.sleep(0.5)
+        assert llm.abort("queued")
+        assert llm.abort("running")
+        assert not llm.abort("never-existed")
+        for t in threads:
+            t.join(timeout=60)
+        for rid in ("running", "queued"):
+            reason = results[rid]["meta_info"]["finish_reason"]
+            assert reason["type"] == "abort", (rid, reason)
+        assert results["queued"]["output_ids"] == []
+        assert 0 < len(results["running"]["output_ids"]) < 400
+        llm.check_integrity()
+        stats = llm.get_server_info()["stats"]
+        assert stats["held"] == 0 and stats["live"] == 0
+        assert llm.generate("Hi", GREEDY)["meta_info"]["finish_reason"]["type"] in (
+            "stop",
+            "length",
+        )
+
+
+def test_bad_input_raises_value_error_and_the_engine_keeps_serving(engine: Engine) -> None:
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate("", GREEDY)
+    with pytest.raises(ValueError, match="maximum context length is 8192 tokens"):
+        engine.generate(input_ids=[100] * 9000, sampling_params=GREEDY)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.generate("Hello", {"max_new_tokens": -1})
+    with pytest.raises(ValueError, match="temperature"):
+        engine.generate(["Hello", "World"], {"temperature": -0.5})
+    with pytest.raises(ValueError, match="unknown sampling parameter 'tempreature'"):
+        engine.generate("Hello", {"tempreature": 0.5})
+    assert engine.generate("Hello", GREEDY)["meta_info"]["completion_tokens"] > 0
+    engine.check_integrity()
+
+
+def test_async_generate_and_n(engine: Engine) -> None:
+    async def main() -> tuple[dict[str, Any], list[str]]:
+        whole = await engine.async_generate(PROMPTS[0], GREEDY)
+        stream = await engine.async_generate(PROMPTS[0], GREEDY, stream=True)
+        return whole, [c["text"] async for c in stream]
+
+    whole, chunks = asyncio.run(main())
+    assert "".join(chunks) == whole["text"]
+    outs = engine.generate(PROMPTS[0], dict(GREEDY, n=2))
+    assert len(outs) == 2 and outs[0]["output_ids"] == outs[1]["output_ids"]
+
+
+def test_chat_uses_the_chat_template(engine: Engine) -> None:
+    out = engine.chat([{"role": "user", "content": "What is 2+2? Answer briefly."}], GREEDY)
+    assert "4" in out["text"]
+    assert out["meta_info"]["prompt_tokens"] > 10  # the template wrapped the message
