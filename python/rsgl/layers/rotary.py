@@ -55,10 +55,10 @@ def interleave_rotary_pairs(weight: torch.Tensor, head_dim: int) -> torch.Tensor
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates packed q/k rows (pair-interleaved layout) by each token's absolute position.
+    """Rotation tables for packed q/k rows (pair-interleaved layout) by absolute position.
 
     cos + i*sin is precomputed for every position up to `max_positions`, so a step only
-    gathers rows by position. The table is stored as real pairs ([..., 2]) so that moving the
+    gathers its tokens' rows, once for all layers (`cis`), and `apply_rotary` rotates. The table is stored as real pairs ([..., 2]) so that moving the
     model to another dtype never casts a complex tensor to a real one.
     """
 
@@ -72,10 +72,13 @@ class RotaryEmbedding(nn.Module):
         cis = torch.view_as_real(torch.polar(torch.ones_like(freqs), freqs))
         self.register_buffer("cis_cache", cis, persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim] -> rotated copy (float32 math, x's dtype out)."""
-        t, heads, dim = x.shape
-        pairs = torch.view_as_complex(x.float().reshape(t, heads, dim // 2, 2))
-        cis = torch.view_as_complex(self.cis_cache[positions].float())
-        rotated = pairs * cis.unsqueeze(1)
-        return torch.view_as_real(rotated).reshape(t, heads, dim).to(x.dtype)
+    def cis(self, positions: torch.Tensor) -> torch.Tensor:
+        """cos + i*sin per token ([T, 1, head_dim / 2] complex64); gather once per step."""
+        return torch.view_as_complex(self.cis_cache[positions].float()).unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
+    """Rotate x ([T, heads, head_dim], pair-interleaved) by `RotaryEmbedding.cis` rows."""
+    t, heads, dim = x.shape
+    pairs = torch.view_as_complex(x.float().reshape(t, heads, dim // 2, 2))
+    return torch.view_as_real(pairs * cis).reshape(t, heads, dim).to(x.dtype)

@@ -11,7 +11,7 @@ from torch import nn
 from rsgl.layers.attention.base import AttentionBackend
 from rsgl.layers.cpu_kernels import load_cpu_kernels
 from rsgl.layers.norm import RMSNorm
-from rsgl.layers.rotary import RotaryEmbedding, interleave_rotary_pairs
+from rsgl.layers.rotary import RotaryEmbedding, apply_rotary, interleave_rotary_pairs
 from rsgl.model_executor.forward_batch import ForwardBatch
 from rsgl.models.config import ModelConfig
 
@@ -52,7 +52,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        rotary: RotaryEmbedding,
+        cis: torch.Tensor,
         batch: ForwardBatch,
         attn: AttentionBackend,
     ) -> torch.Tensor:
@@ -60,13 +60,13 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         v = qkv[:, self.q_size + self.kv_size :].view(t, kv_heads, dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q = rotary(batch.positions, self.q_norm(qkv[:, : self.q_size].view(t, heads, dim)))
+            q = apply_rotary(self.q_norm(qkv[:, : self.q_size].view(t, heads, dim)), cis)
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, kv_heads, dim))
-            k = rotary(batch.positions, k)
+            k = apply_rotary(k, cis)
         else:
             # q and k are adjacent in the fused output: rotate both in one op.
             qk = qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, dim)
-            qk = rotary(batch.positions, qk)
+            qk = apply_rotary(qk, cis)
             q, k = qk[:, :heads], qk[:, heads:]
         out: torch.Tensor = self.o_proj(attn.forward(q, k, v, self.layer_id, batch))
         return out
@@ -110,7 +110,7 @@ class LlamaDecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
-        rotary: RotaryEmbedding,
+        cis: torch.Tensor,
         batch: ForwardBatch,
         attn: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,7 +121,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.add_forward(hidden, residual)
-        hidden = self.self_attn(hidden, rotary, batch, attn)
+        hidden = self.self_attn(hidden, cis, batch, attn)
         hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -173,8 +173,9 @@ class LlamaForCausalLM(nn.Module):
         """input_ids: [T] (placeholders already resolved) -> logits [B, vocab]."""
         hidden = self.model.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
+        cis = self.rotary.cis(batch.positions)
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, self.rotary, batch, attn)
+            hidden, residual = layer(hidden, residual, cis, batch, attn)
         # Only the last position of each request feeds the LM head.
         last = batch.last_token_index
         assert residual is not None
