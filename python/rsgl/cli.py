@@ -9,6 +9,7 @@ import sys
 # Benchmark name -> module with a `main(argv: list[str]) -> int`.
 BENCHMARKS: dict[str, str] = {
     "one-batch": "rsgl.bench.one_batch",
+    "offline": "rsgl.bench.offline",
 }
 
 

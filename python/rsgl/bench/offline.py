@@ -1,0 +1,140 @@
+"""Offline throughput: rsgl.Engine against HF transformers' `generate` on the same prompts.
+
+    rsgl bench offline --num-prompts 64 --input-len 100 --output-len 128 --compare-hf
+    rsgl bench offline --dataset gsp --compare-radix
+
+Prompts are seeded random token ids (`random`), or 16 groups x 16 prompts sharing a
+1024-token system prompt (`gsp`). Every request is greedy with ignore_eos, so both systems
+produce exactly `output_len` tokens per prompt. HF runs static batches of 32 and 64 (its
+best is reported). Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def make_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
+    rng = np.random.default_rng(args.seed)
+    low, high = 100, vocab_size - 100  # stay clear of special tokens at either end
+
+    def tokens(n: int) -> list[int]:
+        return [int(t) for t in rng.integers(low, high, size=n)]
+
+    if args.dataset == "random":
+        return [tokens(args.input_len) for _ in range(args.num_prompts)]
+    systems = [tokens(args.gsp_system_len) for _ in range(args.gsp_groups)]
+    prompts = [
+        systems[g] + tokens(args.input_len)
+        for g in range(args.gsp_groups)
+        for _ in range(args.gsp_prompts_per_group)
+    ]
+    order = rng.permutation(len(prompts))  # groups arrive interleaved
+    return [prompts[i] for i in order]
+
+
+def run_rsgl(prompts: list[list[int]], output_len: int, **options: Any) -> dict[str, Any]:
+    from rsgl.engine import Engine
+
+    params = {"temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True}
+    with Engine(**options) as llm:
+        llm.generate(input_ids=prompts[0][:16], sampling_params=dict(params, max_new_tokens=4))
+        llm.flush_cache()
+        start = time.perf_counter()
+        outs = llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        stats = llm.get_server_info()["stats"]
+    produced = sum(len(o["output_ids"]) for o in outs)
+    assert produced == output_len * len(prompts), "ignore_eos: every prompt runs to the end"
+    return {
+        "output_tok_s": round(produced / elapsed, 2),
+        "seconds": round(elapsed, 3),
+        "cached_tokens": int(stats["cached_tokens"]),
+        "retractions": int(stats["retractions"]),
+    }
+
+
+def run_hf(
+    prompts: list[list[int]], output_len: int, model_dir: str, batch_sizes: list[int]
+) -> dict[int, float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train(False)
+    results = {}
+    for bs in batch_sizes:
+        produced, elapsed = 0, 0.0
+        for i in range(0, len(prompts), bs):
+            batch = torch.tensor(prompts[i : i + bs])  # equal lengths: no padding needed
+            start = time.perf_counter()
+            with torch.inference_mode():
+                out = model.generate(
+                    batch,
+                    attention_mask=torch.ones_like(batch),
+                    max_new_tokens=output_len,
+                    min_new_tokens=output_len,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+            elapsed += time.perf_counter() - start
+            produced += (out.shape[1] - batch.shape[1]) * batch.shape[0]
+        results[bs] = round(produced / elapsed, 2)
+    return results
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="rsgl bench offline", description=__doc__)
+    parser.add_argument("--model-path", default=None)
+    parser.add_argument("--dataset", choices=["random", "gsp"], default="random")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=100)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--gsp-groups", type=int, default=16)
+    parser.add_argument("--gsp-prompts-per-group", type=int, default=16)
+    parser.add_argument("--gsp-system-len", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compare-hf", action="store_true")
+    parser.add_argument("--compare-radix", action="store_true", help="also run without the cache")
+    parser.add_argument("--skip-no-overlap", action="store_true")
+    parser.add_argument("--hf-batch-sizes", default="32,64")
+    parser.add_argument("--max-running-requests", type=int, default=256)
+    args = parser.parse_args(argv)
+
+    from rsgl.models.loader import load_model
+
+    loaded = load_model(args.model_path)
+    prompts = make_prompts(args, loaded.config.vocab_size)
+    model_dir = str(loaded.model_dir)
+    del loaded
+    engine = {"model_path": args.model_path, "max_running_requests": args.max_running_requests}
+    result: dict[str, Any] = {
+        "dataset": args.dataset,
+        "num_prompts": len(prompts),
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "torch_threads": torch.get_num_threads(),
+    }
+    rsgl_run = run_rsgl(prompts, args.output_len, **engine)
+    result["rsgl_output_tok_s"] = rsgl_run["output_tok_s"]
+    result["rsgl"] = rsgl_run
+    if not args.skip_no_overlap:
+        off = run_rsgl(prompts, args.output_len, disable_overlap_schedule=True, **engine)
+        result["rsgl_no_overlap_output_tok_s"] = off["output_tok_s"]
+    if args.compare_radix:
+        no_cache = run_rsgl(prompts, args.output_len, disable_radix_cache=True, **engine)
+        result["rsgl_no_radix_output_tok_s"] = no_cache["output_tok_s"]
+        result["radix_speedup"] = round(rsgl_run["output_tok_s"] / no_cache["output_tok_s"], 3)
+    if args.compare_hf:
+        sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
+        hf = run_hf(prompts, args.output_len, model_dir, sizes)
+        result["hf_output_tok_s_by_batch"] = hf
+        result["hf_output_tok_s"] = max(hf.values())
+        result["ratio"] = round(result["rsgl_output_tok_s"] / result["hf_output_tok_s"], 3)
+    print(json.dumps(result))
+    return 0
