@@ -65,7 +65,7 @@ def run_hf(
 ) -> dict[int, float]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train(False)
     results = {}
     for bs in batch_sizes:
