@@ -41,7 +41,8 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     deliver: Deliver
-    detok: IncrementalDetokenizer
+    # None in raw-token mode: the caller detokenizes (and reports stop strings via `finish`).
+    detok: IncrementalDetokenizer | None
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     arrival: float = field(default_factory=time.perf_counter)
@@ -57,22 +58,28 @@ class SchedulerLoop:
     """Drives `core` and `runner`; requests and commands arrive through a queue.
 
     Every public method is thread-safe: it enqueues a command for the loop thread, which
-    alone touches the core, the runner and request state.
+    alone touches the core, the runner and request state. With a `tokenizer` the loop
+    detokenizes and applies stop strings itself (the in-process Engine); without one it
+    delivers token ids only and the caller reports stop strings with `finish` (the server,
+    whose frontend process detokenizes). `on_step_end` runs after each step's results have
+    been delivered (the server flushes one message per step there).
     """
 
     def __init__(
         self,
         core: Scheduler,
         runner: ModelRunner,
-        tokenizer: Decoder,
+        tokenizer: Decoder | None,
         *,
         overlap: bool = True,
+        on_step_end: Callable[[], None] | None = None,
     ) -> None:
         self.core = core
         self.runner = runner
         self.tokenizer = tokenizer
         self.overlap = overlap
-        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.on_step_end = on_step_end
+        self._inbox: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self._requests: dict[int, Request] = {}
         self._by_rid: dict[str, int] = {}
         self._next_core_id = 0
@@ -121,8 +128,11 @@ class SchedulerLoop:
         prompt_ids: list[int],
         params: SamplingParams,
         deliver: Deliver,
+        wait: bool = True,
     ) -> None:
-        """Queues a request; raises ValueError (from the core) if it can never run."""
+        """Queues a request. With `wait`, raises ValueError (from the core) if it can never
+        run; without, returns at once and reports such an error as an abort through
+        `deliver` (its message starts with "invalid request:")."""
 
         def add() -> None:
             if rid in self._by_rid:
@@ -137,16 +147,43 @@ class SchedulerLoop:
                 ignore_eos=params.ignore_eos,
             )
             self._next_core_id += 1
-            detok = IncrementalDetokenizer(
-                self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens
-            )
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(
+                    self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens
+                )
             self._requests[core_id] = Request(rid, core_id, prompt_ids, params, deliver, detok)
             self._by_rid[rid] = core_id
 
-        self.call(add)
+        if wait:
+            self.call(add)
+            return
 
-    def abort(self, rid: str, message: str = "aborted by the client") -> bool:
-        """Aborts a request; False if it is unknown or already finished."""
+        def add_or_report() -> None:
+            try:
+                add()
+            except ValueError as exc:
+                meta = _meta(rid, {"type": "abort", "message": f"invalid request: {exc}"})
+                meta["prompt_tokens"] = len(prompt_ids)
+                deliver("", [], meta)
+
+        self._inbox.put(add_or_report)
+
+    def finish(self, rid: str, matched: str) -> None:
+        """The caller found stop string `matched`: the request ends now, silently (the caller
+        already completed it)."""
+
+        def finish() -> None:
+            core_id = self._by_rid.pop(rid, None)
+            if core_id is not None:
+                self.core.finish(core_id, matched)
+                del self._requests[core_id]
+
+        self._inbox.put(finish)
+
+    def abort(self, rid: str, message: str = "aborted by the client", wait: bool = True) -> bool:
+        """Aborts a request; False if it is unknown or already finished (always True without
+        `wait`, which returns at once)."""
 
         def abort() -> bool:
             core_id = self._by_rid.get(rid)
@@ -158,6 +195,9 @@ class SchedulerLoop:
                 self._complete(req, {"type": "abort", "message": message}, cached_tokens=0)
             return status != "unknown"
 
+        if not wait:
+            self._inbox.put(abort)
+            return True
         return bool(self.call(abort))
 
     # ---------------------------------------------------------------- the loop
@@ -241,6 +281,9 @@ class SchedulerLoop:
             req.output_ids.append(token)
             if index is not None and req.params.return_logprob:
                 req.logprobs.append(_logprob_entry(out, index[core_id], req.params, token))
+            if req.detok is None:
+                req.deliver("", [token], None)
+                continue
             if core_id in stopped_by_token:
                 continue
             delta = req.detok.add(token)
@@ -257,6 +300,8 @@ class SchedulerLoop:
             done = self._requests.get(f.rid)
             if done is not None:
                 self._complete(done, f.finish_reason, cached_tokens=f.cached_tokens)
+        if self.on_step_end is not None:
+            self.on_step_end()
 
     def _complete(
         self,
@@ -270,17 +315,16 @@ class SchedulerLoop:
         self._by_rid.pop(req.rid, None)
         if cached_tokens is None:
             cached_tokens = int(self._cached_tokens_of(req))
-        meta = {
-            "id": req.rid,
-            "finish_reason": reason,
-            "prompt_tokens": len(req.prompt_ids),
-            "completion_tokens": len(req.output_ids),
-            "cached_tokens": cached_tokens,
-            "e2e_latency": time.perf_counter() - req.arrival,
-        }
+        meta = _meta(req.rid, reason)
+        meta.update(
+            prompt_tokens=len(req.prompt_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=cached_tokens,
+            e2e_latency=time.perf_counter() - req.arrival,
+        )
         if req.params.return_logprob:
             meta["output_token_logprobs"] = req.logprobs
-        text = last_delta + req.detok.finish()
+        text = last_delta + (req.detok.finish() if req.detok is not None else "")
         req.deliver(text, [] if token is None else [token], meta)
 
     def _cached_tokens_of(self, req: Request) -> int:
@@ -290,6 +334,17 @@ class SchedulerLoop:
     def _abort_all(self, message: str) -> None:
         for req in list(self._requests.values()):
             self._complete(req, {"type": "abort", "message": message}, cached_tokens=0)
+
+
+def _meta(rid: str, reason: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "finish_reason": reason,
+        "prompt_tokens": 0,
+        "completion_tokens": 0,
+        "cached_tokens": 0,
+        "e2e_latency": 0.0,
+    }
 
 
 def _logprob_entry(out: StepOutput, i: int, params: SamplingParams, token: int) -> dict[str, Any]:
