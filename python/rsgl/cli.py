@@ -10,6 +10,7 @@ import sys
 BENCHMARKS: dict[str, str] = {
     "one-batch": "rsgl.bench.one_batch",
     "offline": "rsgl.bench.offline",
+    "serving": "rsgl.bench.serving",
 }
 
 
