@@ -25,10 +25,10 @@ def run_bench(argv: list[str]) -> int:
 
 
 def run_serve(argv: list[str]) -> int:
-    """Until the HTTP server lands, `serve` runs a short demo of the scheduling core."""
-    from rsgl.demo import main as demo_main
+    """`rsgl serve ...`: the OpenAI-compatible HTTP server."""
+    from rsgl.server.launch import main as serve_main
 
-    return demo_main(argv)
+    return serve_main(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

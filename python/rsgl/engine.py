@@ -105,6 +105,68 @@ def make_sampling_params(raw: dict[str, Any] | None) -> tuple[SamplingParams, in
         raise ValueError(f"invalid sampling parameters: {exc}") from exc
 
 
+@dataclass(slots=True)
+class ModelStack:
+    """Everything a scheduling loop needs: tokenizer, core and runner, sized from the args."""
+
+    tokenizer: Any
+    core: Scheduler
+    runner: ModelRunner
+    context_length: int
+    max_total_tokens: int
+
+
+def build_stack(args: EngineArgs) -> ModelStack:
+    """Loads the model and tokenizer and sizes the KV pool and the core from `args`."""
+    from transformers import AutoTokenizer
+
+    from rsgl.models.loader import load_model
+
+    torch.manual_seed(args.seed)
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    loaded = load_model(
+        args.model_path, device=args.device, dtype=dtype, max_positions=args.context_length
+    )
+    context_length = args.context_length or loaded.config.max_position_embeddings
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or loaded.model_dir)
+    max_total_tokens = args.max_total_tokens or _pool_tokens(args, loaded)
+    core = Scheduler(
+        max_total_tokens,
+        page_size=args.page_size,
+        max_running_requests=args.max_running_requests,
+        context_len=context_length,
+        max_prefill_tokens=args.max_prefill_tokens,
+        chunked_prefill_size=args.chunked_prefill_size,
+        schedule_policy=args.schedule_policy,
+        schedule_conservativeness=args.schedule_conservativeness,
+        disable_radix_cache=args.disable_radix_cache,
+        enable_mixed_chunk=args.enable_mixed_chunk,
+        eos_token_ids=list(loaded.config.eos_token_ids),
+        seed=args.seed,
+    )
+    runner = ModelRunner(
+        loaded,
+        kv_buffer_size=core.kv_buffer_size,
+        max_running_requests=args.max_running_requests,
+        context_len=context_length,
+        attention_backend=args.attention_backend,
+        seed=args.seed,
+    )
+    return ModelStack(tokenizer, core, runner, context_length, max_total_tokens)
+
+
+def _pool_tokens(args: EngineArgs, loaded: Any) -> int:
+    """KV pool size: `mem_fraction` of the device's memory (default share, capped)."""
+    per_token = KVCache.bytes_per_slot(loaded.config, loaded.dtype)
+    if args.device == "cpu":
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    else:
+        total = torch.cuda.get_device_properties(torch.device(args.device)).total_memory
+    tokens = int(total * (args.mem_fraction or DEFAULT_MEM_FRACTION) / per_token)
+    cap = DEFAULT_MAX_TOTAL_TOKENS if args.mem_fraction is None else tokens
+    return max(4 * args.page_size, min(tokens, cap))
+
+
 class _Collector:
     """Receives one request's updates from the loop thread (sync or asyncio consumer)."""
 
@@ -166,56 +228,16 @@ class Engine:
     """
 
     def __init__(self, model_path: str | None = None, **options: Any) -> None:
-        from transformers import AutoTokenizer
-
-        self.args = args = EngineArgs.from_options(model_path, options)
-        torch.manual_seed(args.seed)
-        dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-        from rsgl.models.loader import load_model
-
-        loaded = load_model(
-            args.model_path, device=args.device, dtype=dtype, max_positions=args.context_length
-        )
-        self.context_length = args.context_length or loaded.config.max_position_embeddings
-        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or loaded.model_dir)
-        max_total_tokens = args.max_total_tokens or self._pool_tokens(loaded)
-        self.core = Scheduler(
-            max_total_tokens,
-            page_size=args.page_size,
-            max_running_requests=args.max_running_requests,
-            context_len=self.context_length,
-            max_prefill_tokens=args.max_prefill_tokens,
-            chunked_prefill_size=args.chunked_prefill_size,
-            schedule_policy=args.schedule_policy,
-            schedule_conservativeness=args.schedule_conservativeness,
-            disable_radix_cache=args.disable_radix_cache,
-            enable_mixed_chunk=args.enable_mixed_chunk,
-            eos_token_ids=list(loaded.config.eos_token_ids),
-            seed=args.seed,
-        )
-        self.runner = ModelRunner(
-            loaded,
-            kv_buffer_size=self.core.kv_buffer_size,
-            max_running_requests=args.max_running_requests,
-            context_len=self.context_length,
-            attention_backend=args.attention_backend,
-            seed=args.seed,
-        )
-        self.max_total_tokens = max_total_tokens
+        self.args = EngineArgs.from_options(model_path, options)
+        stack = build_stack(self.args)
+        self.tokenizer = stack.tokenizer
+        self.core = stack.core
+        self.runner = stack.runner
+        self.context_length = stack.context_length
+        self.max_total_tokens = stack.max_total_tokens
         self._loop = SchedulerLoop(
-            self.core, self.runner, self.tokenizer, overlap=not args.disable_overlap_schedule
+            self.core, self.runner, self.tokenizer, overlap=not self.args.disable_overlap_schedule
         )
-
-    def _pool_tokens(self, loaded: Any) -> int:
-        per_token = KVCache.bytes_per_slot(loaded.config, loaded.dtype)
-        if self.args.device == "cpu":
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        else:
-            total = torch.cuda.get_device_properties(torch.device(self.args.device)).total_memory
-        fraction = self.args.mem_fraction or DEFAULT_MEM_FRACTION
-        tokens = int(total * fraction / per_token)
-        cap = DEFAULT_MAX_TOTAL_TOKENS if self.args.mem_fraction is None else tokens
-        return max(4 * self.args.page_size, min(tokens, cap))
 
     # ------------------------------------------------------------------ requests
 

@@ -46,6 +46,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     arrival: float = field(default_factory=time.perf_counter)
+    scheduled: float | None = None  # first time a plan included it (queue time ends)
 
 
 @dataclass(slots=True)
@@ -129,6 +130,7 @@ class SchedulerLoop:
         params: SamplingParams,
         deliver: Deliver,
         wait: bool = True,
+        priority: int = 0,
     ) -> None:
         """Queues a request. With `wait`, raises ValueError (from the core) if it can never
         run; without, returns at once and reports such an error as an abort through
@@ -145,6 +147,7 @@ class SchedulerLoop:
                 min_new_tokens=params.min_new_tokens,
                 stop_token_ids=params.stop_token_ids,
                 ignore_eos=params.ignore_eos,
+                priority=priority,
             )
             self._next_core_id += 1
             detok = None
@@ -168,6 +171,10 @@ class SchedulerLoop:
                 deliver("", [], meta)
 
         self._inbox.put(add_or_report)
+
+    def post(self, fn: Callable[[], object]) -> None:
+        """Runs `fn` on the loop thread soon, without waiting."""
+        self._inbox.put(fn)
 
     def finish(self, rid: str, matched: str) -> None:
         """The caller found stop string `matched`: the request ends now, silently (the caller
@@ -253,6 +260,8 @@ class SchedulerLoop:
         out = []
         for core_id in plan.admitted.tolist():
             req = self._requests[core_id]
+            if req.scheduled is None:
+                req.scheduled = time.perf_counter()
             out.append((slot_of[core_id], req.params, req.prompt_ids, list(req.output_ids)))
         return out
 
@@ -321,6 +330,7 @@ class SchedulerLoop:
             completion_tokens=len(req.output_ids),
             cached_tokens=cached_tokens,
             e2e_latency=time.perf_counter() - req.arrival,
+            queue_time=(req.scheduled or time.perf_counter()) - req.arrival,
         )
         if req.params.return_logprob:
             meta["output_token_logprobs"] = req.logprobs
@@ -344,6 +354,7 @@ def _meta(rid: str, reason: dict[str, Any]) -> dict[str, Any]:
         "completion_tokens": 0,
         "cached_tokens": 0,
         "e2e_latency": 0.0,
+        "queue_time": 0.0,
     }
 
 

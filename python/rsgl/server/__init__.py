@@ -1,0 +1,1 @@
+"""The HTTP server: an OpenAI-compatible frontend process and a scheduler process."""

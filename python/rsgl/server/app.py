@@ -1,0 +1,544 @@
+"""The FastAPI app: OpenAI-compatible and SGLang-native endpoints over the Frontend."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from rsgl.engine import make_sampling_params
+from rsgl.layers.sampling_params import SamplingParams
+from rsgl.server.frontend import EngineUnavailable, Frontend, ReqState, Update
+from rsgl.server.protocol import (
+    AbortBody,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    bad_request,
+    sum_usage,
+    usage,
+)
+
+OPEN_PATHS = {"/health", "/health_generate", "/metrics"}
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+DISCONNECT_POLL_S = 0.25
+
+
+@dataclass
+class ServerState:
+    """What the routes need: the frontend, the tokenizer and the served model's identity."""
+
+    frontend: Frontend
+    tokenizer: Any
+    model_name: str
+    context_length: int
+    max_prompt_len: int
+    api_key: str | None = None
+    is_alive: Callable[[], bool] = lambda: True
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass(slots=True)
+class Choice:
+    """One generation of a request (prompt i, copy k)."""
+
+    index: int
+    prompt_index: int
+    state: ReqState
+    prefix: str = ""  # echo
+
+
+def _is_ids(p: Any) -> bool:
+    return bool(p) and all(isinstance(t, int) for t in p)
+
+
+class StateHolder:
+    """Where the app finds its ServerState, which exists only once start-up has finished."""
+
+    state: ServerState | None = None
+
+
+def create_app(holder: StateHolder, lifespan: Any = None) -> FastAPI:
+    """Builds the app; `lifespan` fills `holder` before the first request."""
+    app = FastAPI(title="rsgl", version="0.1.0", lifespan=lifespan)
+
+    def st() -> ServerState:
+        assert holder.state is not None, "the server has not finished starting"
+        return holder.state
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        message = f"invalid request: {param}: {first.get('msg', 'invalid value')}"
+        return JSONResponse(bad_request(message, param).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, exc: Exception) -> JSONResponse:
+        err = ApiError(500, f"internal error: {exc!r}", "InternalServerError")
+        return JSONResponse(err.body(), status_code=500)
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next: Any) -> Response:
+        key = holder.state.api_key if holder.state is not None else None
+        authorized = request.headers.get("authorization") == f"Bearer {key}"
+        if key and request.url.path not in OPEN_PATHS and not authorized:
+            err = ApiError(401, "invalid or missing API key", "AuthenticationError")
+            return JSONResponse(err.body(), status_code=401)
+        response: Response = await call_next(request)
+        return response
+
+    # ---------------------------------------------------------------- helpers
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != st().model_name:
+            raise ApiError(
+                404,
+                f"The model `{name}` does not exist.",
+                "NotFoundError",
+                "model",
+                "model_not_found",
+            )
+
+    def check_prompt(ids: list[int]) -> None:
+        if not ids:
+            raise bad_request("the prompt is empty", "prompt")
+        if len(ids) >= st().context_length:
+            raise bad_request(
+                f"This model's maximum context length is {st().context_length} tokens. However, "
+                f"your prompt has {len(ids)} tokens. Please reduce the length of the prompt.",
+                "prompt",
+            )
+        if len(ids) > st().max_prompt_len:
+            raise bad_request(
+                f"the prompt has {len(ids)} tokens, but the KV cache holds prompts of at most "
+                f"{st().max_prompt_len} tokens",
+                "prompt",
+            )
+
+    def params_of(raw: dict[str, Any]) -> tuple[SamplingParams, int]:
+        try:
+            return make_sampling_params(raw)
+        except ValueError as exc:
+            m = re.search(r"parameter (\w+)", str(exc))
+            raise bad_request(str(exc), m.group(1) if m else None) from exc
+
+    async def start(
+        prompts: list[list[int]], params: SamplingParams, n: int, rid: str | None, priority: int
+    ) -> list[Choice]:
+        for ids in prompts:
+            check_prompt(ids)
+        base = rid or uuid.uuid4().hex
+        choices: list[Choice] = []
+        try:
+            for i, ids in enumerate(prompts):
+                for k in range(n):
+                    index = i * n + k
+                    sub = base if len(prompts) * n == 1 else f"{base}-{index}"
+                    state = await st().frontend.submit(sub, ids, params, priority)
+                    choices.append(Choice(index, i, state))
+        except EngineUnavailable as exc:
+            for c in choices:
+                st().frontend.abort(c.state.rid)
+            raise ApiError(503, str(exc), "ServiceUnavailableError") from exc
+        except ValueError as exc:
+            for c in choices:
+                st().frontend.abort(c.state.rid)
+            raise bad_request(str(exc), "rid") from exc
+        return choices
+
+    async def collect(request: Request, choices: list[Choice]) -> list[tuple[Choice, Update]]:
+        """Waits for every choice; aborts them all if the client disconnects first."""
+
+        async def one(c: Choice) -> tuple[Choice, Update]:
+            text, ids, meta = [], [], None
+            async for u in st().frontend.updates(c.state):
+                text.append(u.text)
+                ids.extend(u.token_ids)
+                meta = u.meta
+            return c, Update("".join(text), ids, meta)
+
+        async def disconnected() -> None:
+            while not await request.is_disconnected():
+                await asyncio.sleep(DISCONNECT_POLL_S)
+
+        work: asyncio.Future[list[tuple[Choice, Update]]] = asyncio.ensure_future(
+            asyncio.gather(*(one(c) for c in choices))
+        )
+        watch: asyncio.Future[Any] = asyncio.ensure_future(disconnected())
+        await asyncio.wait([work, watch], return_when=asyncio.FIRST_COMPLETED)
+        watch.cancel()
+        if not work.done():
+            for c in choices:
+                st().frontend.abort(c.state.rid, "the client disconnected")
+        return list(await work)
+
+    async def merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, Update]]:
+        """Updates of all choices as they come (one consumer task per choice)."""
+        if len(choices) == 1:
+            async for u in st().frontend.updates(choices[0].state):
+                yield choices[0], u
+            return
+        out: asyncio.Queue[tuple[Choice, Update] | None] = asyncio.Queue()
+
+        async def pump(c: Choice) -> None:
+            async for u in st().frontend.updates(c.state):
+                await out.put((c, u))
+
+        tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+        done = asyncio.ensure_future(asyncio.gather(*tasks))
+        done.add_done_callback(lambda _: out.put_nowait(None))
+        try:
+            while (item := await out.get()) is not None:
+                yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def sse(obj: Any) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    def stream_response(body: AsyncIterator[str]) -> StreamingResponse:
+        async def guarded() -> AsyncIterator[str]:
+            try:
+                async for line in body:
+                    yield line
+            except ApiError as exc:
+                yield sse(exc.body())
+            except Exception as exc:  # noqa: BLE001 - reported to the client in-stream
+                yield sse(ApiError(500, f"internal error: {exc!r}", "InternalServerError").body())
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(guarded(), media_type="text/event-stream")
+
+    def finish_reason(meta: dict[str, Any] | None) -> str | None:
+        return None if meta is None else str(meta["finish_reason"]["type"])
+
+    def tok_text(t: int) -> str:
+        return str(st().tokenizer.decode([t]))
+
+    def completion_logprobs(meta: dict[str, Any], offset: int) -> dict[str, Any] | None:
+        entries = meta.get("output_token_logprobs")
+        if entries is None:
+            return None
+        tokens = [tok_text(e["token_id"]) for e in entries]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [
+                {tok_text(t["token_id"]): t["logprob"] for t in e.get("top_logprobs", [])}
+                for e in entries
+            ],
+            "text_offset": offsets,
+        }
+
+    def chat_logprobs(meta: dict[str, Any]) -> dict[str, Any] | None:
+        entries = meta.get("output_token_logprobs")
+        if entries is None:
+            return None
+
+        def item(token_id: int, logprob: float) -> dict[str, Any]:
+            text = tok_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {
+            "content": [
+                dict(
+                    item(e["token_id"], e["logprob"]),
+                    top_logprobs=[
+                        item(t["token_id"], t["logprob"]) for t in e.get("top_logprobs", [])
+                    ],
+                )
+                for e in entries
+            ]
+        }
+
+    def with_prompt_index(choices: list[Choice], metas: list[dict[str, Any]]) -> list[Any]:
+        return [dict(m, prompt_index=c.prompt_index) for c, m in zip(choices, metas)]
+
+    # ---------------------------------------------------------------- OpenAI
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": st().model_name,
+                    "object": "model",
+                    "created": st().created,
+                    "owned_by": "rsgl",
+                    "max_model_len": st().context_length,
+                }
+            ],
+        }
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(req: CompletionRequest, request: Request) -> Any:
+        check_model(req.model)
+        raw = req.sampling_params(req.max_tokens, 16)
+        raw["n"] = req.n
+        if req.logprobs is not None:
+            raw["logprobs"] = True
+            raw["top_logprobs"] = req.logprobs
+        params, n = params_of(raw)
+        p: Any = req.prompt
+        prompts: list[Any] = [p] if isinstance(p, str) or _is_ids(p) else list(p)
+        if not prompts:
+            raise bad_request("the prompt is empty", "prompt")
+        ids = [list(st().tokenizer.encode(x)) if isinstance(x, str) else list(x) for x in prompts]
+        choices = await start(ids, params, n, req.rid, req.priority)
+        if req.echo:
+            for c in choices:
+                x = prompts[c.prompt_index]
+                c.prefix = x if isinstance(x, str) else str(st().tokenizer.decode(x))
+        cid = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+
+        def chunk(choices_: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> str:
+            body = {
+                "id": cid,
+                "object": "text_completion",
+                "created": created,
+                "model": st().model_name,
+                "choices": choices_,
+            }
+            return sse(dict(body, **(extra or {})))
+
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+            async def body() -> AsyncIterator[str]:
+                metas: dict[int, dict[str, Any]] = {}
+                started: set[int] = set()
+                async for c, u in merged(choices):
+                    text = u.text
+                    if c.index not in started:
+                        started.add(c.index)
+                        text = c.prefix + text
+                    if u.meta is not None:
+                        metas[c.index] = dict(u.meta, prompt_index=c.prompt_index)
+                    if not text and u.meta is None:
+                        continue
+                    logprobs = None if u.meta is None else completion_logprobs(u.meta, 0)
+                    yield chunk(
+                        [
+                            {
+                                "index": c.index,
+                                "text": text,
+                                "logprobs": logprobs,
+                                "finish_reason": finish_reason(u.meta),
+                            }
+                        ]
+                    )
+                if include_usage:
+                    yield chunk([], {"usage": sum_usage(list(metas.values()))})
+
+            return stream_response(body())
+
+        results = await collect(request, choices)
+        metas = [u.meta or {} for _, u in results]
+        return {
+            "id": cid,
+            "object": "text_completion",
+            "created": created,
+            "model": st().model_name,
+            "choices": [
+                {
+                    "index": c.index,
+                    "text": c.prefix + u.text,
+                    "logprobs": completion_logprobs(u.meta or {}, len(c.prefix)),
+                    "finish_reason": finish_reason(u.meta),
+                }
+                for c, u in results
+            ],
+            "usage": sum_usage(with_prompt_index([c for c, _ in results], metas)),
+        }
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
+        check_model(req.model)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        raw = req.sampling_params(max_tokens, st().context_length)
+        raw["n"] = req.n
+        if req.logprobs:
+            raw["logprobs"] = True
+            raw["top_logprobs"] = req.top_logprobs or 0
+        params, n = params_of(raw)
+        try:
+            ids = st().tokenizer.apply_chat_template(
+                req.messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        except Exception as exc:
+            raise bad_request(f"invalid messages: {exc}", "messages") from exc
+        prompt_ids = [int(t) for t in ids]
+        if max_tokens is None:
+            # No limit given: whatever the context leaves.
+            params.max_new_tokens = max(1, st().context_length - len(prompt_ids))
+        choices = await start([prompt_ids], params, n, req.rid, req.priority)
+        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+
+        def chunk(choices_: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> str:
+            body = {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": st().model_name,
+                "choices": choices_,
+            }
+            return sse(dict(body, **(extra or {})))
+
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+            async def body() -> AsyncIterator[str]:
+                for c in choices:
+                    delta = {"role": "assistant", "content": ""}
+                    yield chunk([{"index": c.index, "delta": delta, "finish_reason": None}])
+                metas = []
+                async for c, u in merged(choices):
+                    if u.meta is not None:
+                        metas.append(u.meta)
+                    if not u.text and u.meta is None:
+                        continue
+                    delta = {"content": u.text} if u.text else {}
+                    logprobs = None if u.meta is None else chat_logprobs(u.meta)
+                    yield chunk(
+                        [
+                            {
+                                "index": c.index,
+                                "delta": delta,
+                                "logprobs": logprobs,
+                                "finish_reason": finish_reason(u.meta),
+                            }
+                        ]
+                    )
+                if include_usage:
+                    yield chunk([], {"usage": sum_usage([dict(m, prompt_index=0) for m in metas])})
+
+            return stream_response(body())
+
+        results = await collect(request, choices)
+        metas = [dict(u.meta or {}, prompt_index=0) for _, u in results]
+        return {
+            "id": cid,
+            "object": "chat.completion",
+            "created": created,
+            "model": st().model_name,
+            "choices": [
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": u.text},
+                    "logprobs": chat_logprobs(u.meta or {}),
+                    "finish_reason": finish_reason(u.meta),
+                }
+                for c, u in results
+            ],
+            "usage": sum_usage(metas),
+        }
+
+    # ---------------------------------------------------------------- native
+
+    @app.post("/generate", response_model=None)
+    async def generate(req: GenerateRequest, request: Request) -> Any:
+        if (req.text is None) == (req.input_ids is None):
+            raise bad_request("give exactly one of text or input_ids", "text")
+        params, n = params_of(req.sampling_params or {})
+        ids = st().tokenizer.encode(req.text) if req.text is not None else list(req.input_ids or [])
+        choices = await start([ids], params, n, req.rid, 0)
+
+        def native(u: Update) -> dict[str, Any]:
+            out: dict[str, Any] = {"text": u.text, "output_ids": u.token_ids}
+            if u.meta is not None:
+                out["meta_info"] = u.meta
+            return out
+
+        if req.stream:
+
+            async def body() -> AsyncIterator[str]:
+                async for _, u in merged(choices):
+                    yield sse(native(u))
+
+            return stream_response(body())
+        results = await collect(request, choices)
+        outs = [native(u) for _, u in results]
+        return outs if n > 1 else outs[0]
+
+    @app.post("/abort_request")
+    async def abort_request(body: AbortBody) -> dict[str, Any]:
+        aborted = [
+            rid
+            for rid in list(st().frontend.pending)
+            if rid.split("-")[0] == body.rid or rid == body.rid
+        ]
+        for rid in aborted:
+            st().frontend.abort(rid)
+        return {"aborted": len(aborted) > 0}
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> JSONResponse:
+        ok = await st().frontend.flush_cache()
+        status = 200 if ok else 400
+        message = "cache flushed" if ok else "cannot flush the cache while requests are running"
+        return JSONResponse({"success": ok, "message": message}, status_code=status)
+
+    @app.get("/get_server_info")
+    async def server_info() -> dict[str, Any]:
+        return dict(st().frontend.info, model_name=st().model_name, stats=st().frontend.stats)
+
+    # ---------------------------------------------------------------- health, metrics
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = st().frontend.healthy and st().is_alive()
+        return Response(status_code=200 if ok else 503)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        if not (st().frontend.healthy and st().is_alive()):
+            return Response(status_code=503)
+        params = SamplingParams(max_new_tokens=1, temperature=0.0)
+        rid = f"health-{uuid.uuid4().hex}"
+        try:
+            state = await st().frontend.submit(
+                rid, [int(t) for t in st().tokenizer.encode("ping")], params
+            )
+
+            async def drain() -> None:
+                async for _ in st().frontend.updates(state):
+                    pass
+
+            await asyncio.wait_for(drain(), HEALTH_GENERATE_TIMEOUT_S)
+        except (TimeoutError, EngineUnavailable):
+            st().frontend.abort(rid, "health check timed out")
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(st().frontend.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+__all__ = ["ServerState", "StateHolder", "create_app", "usage"]

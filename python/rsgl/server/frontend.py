@@ -1,0 +1,254 @@
+"""The frontend's side of the engine: tokenized requests out, token ids in, text to clients.
+
+It runs in the HTTP process's event loop. Requests go to the scheduler process over ZeroMQ;
+each step's token ids come back in one message, are detokenized here (stop strings found
+here are reported back so the scheduler stops the request), and reach each request's
+asyncio queue. Latency metrics are measured here, where the client sees them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from rsgl.layers.sampling_params import SamplingParams
+from rsgl.server import ipc
+from rsgl.server.metrics import ServerMetrics
+from rsgl.tokenizer.detokenizer import Decoder, IncrementalDetokenizer
+
+logger = logging.getLogger("rsgl.server")
+
+STATS_LOG_INTERVAL_S = 10.0
+
+
+@dataclass(slots=True)
+class Update:
+    """New text and token ids of one request; `meta` (SGLang's meta_info) when it is over."""
+
+    text: str
+    token_ids: list[int]
+    meta: dict[str, Any] | None = None
+
+
+@dataclass(slots=True)
+class ReqState:
+    """A request the frontend is waiting on."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    queue: asyncio.Queue[Update] = field(default_factory=asyncio.Queue)
+    created: float = field(default_factory=time.perf_counter)
+    last_token: float | None = None
+    completion_tokens: int = 0
+
+
+class EngineUnavailable(RuntimeError):
+    """The scheduler process is gone or the queue is full (HTTP 503)."""
+
+
+class Frontend:
+    """Submits requests to the scheduler process and routes its outputs back."""
+
+    def __init__(
+        self,
+        tokenizer: Decoder,
+        info: dict[str, Any],
+        metrics: ServerMetrics,
+        commands: zmq.asyncio.Socket,
+        events: zmq.asyncio.Socket,
+        *,
+        max_queued_requests: int | None = None,
+        log_requests: bool = False,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.info = info
+        self.metrics = metrics
+        self.commands = commands
+        self.events = events
+        self.max_queued_requests = max_queued_requests
+        self.log_requests = log_requests
+        self.pending: dict[str, ReqState] = {}
+        self.stats: dict[str, Any] = {}
+        self.healthy = True
+        self._flushes: dict[int, asyncio.Future[bool]] = {}
+        self._tokens = itertools.count()
+        self._last_log = time.perf_counter()
+        self._last_generated = 0
+
+    # ------------------------------------------------------------------ requests
+
+    async def submit(
+        self, rid: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> ReqState:
+        """Sends a request; raises EngineUnavailable when unhealthy or the queue is full."""
+        if not self.healthy:
+            raise EngineUnavailable("the engine is not healthy")
+        if self.max_queued_requests is not None:
+            waiting = sum(1 for s in self.pending.values() if s.last_token is None)
+            if waiting >= self.max_queued_requests:
+                raise EngineUnavailable(
+                    f"too many queued requests ({waiting}); the limit is {self.max_queued_requests}"
+                )
+        if rid in self.pending:
+            raise ValueError(f"request id {rid!r} is already in use")
+        detok = IncrementalDetokenizer(
+            self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens
+        )
+        state = ReqState(rid, prompt_ids, params, detok)
+        self.pending[rid] = state
+        wire = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+        self._send(ipc.AddRequest(rid, prompt_ids, wire, priority))
+        if self.log_requests:
+            logger.info("request %s: %d prompt tokens, %s", rid, len(prompt_ids), wire)
+        return state
+
+    async def updates(self, state: ReqState) -> AsyncIterator[Update]:
+        """A request's updates until it finishes; aborts it if the consumer goes away."""
+        finished = False
+        try:
+            while True:
+                update = await state.queue.get()
+                yield update
+                if update.meta is not None:
+                    finished = True
+                    return
+        finally:
+            # Synchronous on purpose: this also runs while the consumer is being cancelled.
+            if not finished:
+                self.abort(state.rid, "the client disconnected")
+
+    def abort(self, rid: str, message: str = "aborted by the client") -> bool:
+        """Aborts a pending request; it finishes with finish_reason abort."""
+        state = self.pending.pop(rid, None)
+        if state is None:
+            return False
+        self._send(ipc.AbortRequest(rid, message))
+        meta = self._meta(state, {"type": "abort", "message": message})
+        self._finish(state, Update(state.detok.finish(), [], meta))
+        return True
+
+    async def flush_cache(self) -> bool:
+        token = next(self._tokens)
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._flushes[token] = done
+        self._send(ipc.FlushCache(token))
+        return await asyncio.wait_for(done, timeout=30)
+
+    def abort_all(self, message: str) -> None:
+        """Ends every pending request (shutdown or a dead scheduler)."""
+        for rid in list(self.pending):
+            state = self.pending.pop(rid)
+            meta = self._meta(state, {"type": "abort", "message": message})
+            self._finish(state, Update(state.detok.finish(), [], meta))
+
+    def _send(self, command: ipc.Command) -> None:
+        # PUSH to a connected peer below its high-water mark sends at once; not awaiting the
+        # returned future keeps aborts possible from code that is being cancelled.
+        self.commands.send(ipc.encoder.encode(command))
+
+    # ------------------------------------------------------------------ events
+
+    async def run_events(self) -> None:
+        """Reads the scheduler's events forever."""
+        while True:
+            event = ipc.event_decoder.decode(await self.events.recv())
+            if isinstance(event, ipc.StepOutputs):
+                now = time.perf_counter()
+                for out in event.outputs:
+                    self._on_output(out, now)
+            elif isinstance(event, ipc.Stats):
+                self.stats = event.stats
+                self.metrics.observe_stats(event.stats)
+                self._maybe_log()
+            elif isinstance(event, ipc.FlushResult):
+                future = self._flushes.pop(event.token, None)
+                if future is not None and not future.done():
+                    future.set_result(event.ok)
+
+    def _on_output(self, out: ipc.RequestOutput, now: float) -> None:
+        state = self.pending.get(out.rid)
+        if state is None:
+            return  # finished or aborted here already
+        ids = out.token_ids
+        meta = out.meta
+        m = self.metrics.model
+        if ids:
+            if state.last_token is None:
+                self.metrics.ttft.labels(m).observe(now - state.created)
+            else:
+                self.metrics.itl.labels(m).observe(now - state.last_token)
+            state.last_token = now
+            state.completion_tokens += len(ids)
+            self.metrics.generation_tokens.labels(m).inc(len(ids))
+        # As SGLang: a request stopped by a token leaves that token's text out.
+        text_ids = ids
+        if meta is not None and isinstance(meta["finish_reason"].get("matched"), int) and ids:
+            text_ids = ids[:-1]
+        text = []
+        for i, token in enumerate(text_ids):
+            text.append(state.detok.add(token))
+            if state.detok.matched_stop is not None:
+                matched = state.detok.matched_stop
+                self._send(ipc.FinishRequest(out.rid, matched))
+                state.completion_tokens -= len(ids) - (i + 1)
+                del self.pending[out.rid]
+                meta = self._meta(state, {"type": "stop", "matched": matched})
+                self._finish(state, Update("".join(text), ids[: i + 1], meta))
+                return
+        if meta is not None:
+            del self.pending[out.rid]
+            text.append(state.detok.finish())
+            self._finish(state, Update("".join(text), ids, meta))
+        else:
+            state.queue.put_nowait(Update("".join(text), ids))
+
+    def _meta(self, state: ReqState, reason: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "id": state.rid,
+            "finish_reason": reason,
+            "prompt_tokens": len(state.prompt_ids),
+            "completion_tokens": state.completion_tokens,
+            "cached_tokens": 0,
+            "e2e_latency": time.perf_counter() - state.created,
+        }
+
+    def _finish(self, state: ReqState, update: Update) -> None:
+        meta = update.meta
+        assert meta is not None
+        aborted = meta["finish_reason"]["type"] == "abort"
+        self.metrics.observe_finish(meta, aborted)
+        if self.log_requests:
+            logger.info("finish %s: %s", state.rid, meta)
+        state.queue.put_nowait(update)
+
+    def _maybe_log(self) -> None:
+        now = time.perf_counter()
+        if now - self._last_log < STATS_LOG_INTERVAL_S:
+            return
+        s = self.stats
+        generated = int(s.get("generated_tokens", 0))
+        rate = (generated - self._last_generated) / (now - self._last_log)
+        self._last_log, self._last_generated = now, generated
+        capacity = max(1, int(s.get("capacity", 1)))
+        used = 1 - (s.get("available", 0) + s.get("evictable", 0)) / capacity
+        prompt = s.get("prompt_tokens", 0)
+        hit = s.get("cached_tokens", 0) / prompt if prompt else 0.0
+        logger.info(
+            "gen throughput %.1f tok/s, running %d, queued %d, KV usage %.1f%%, cache hit %.1f%%",
+            rate,
+            s.get("running", 0),
+            s.get("waiting", 0),
+            100 * used,
+            100 * hit,
+        )

@@ -1,0 +1,209 @@
+"""`rsgl serve` / `python -m rsgl.launch_server`: start the scheduler process, then HTTP.
+
+Start-up is ordered: the frontend binds its ZeroMQ sockets, spawns the scheduler process and
+waits for its `Ready` (model loaded, pool sized) before it accepts connections. SIGINT or
+SIGTERM aborts in-flight requests, then stops uvicorn and the scheduler. If the scheduler
+process dies, a watchdog logs it and takes the server down instead of leaving it hanging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+import zmq
+import zmq.asyncio
+from fastapi import FastAPI
+
+from rsgl.engine import EngineArgs
+from rsgl.server import ipc
+from rsgl.server.app import ServerState, StateHolder, create_app
+from rsgl.server.frontend import Frontend
+from rsgl.server.metrics import ServerMetrics
+from rsgl.server.scheduler_process import run_scheduler_process
+
+logger = logging.getLogger("rsgl.server")
+
+READY_TIMEOUT_S = 900.0
+WATCHDOG_INTERVAL_S = 0.5
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rsgl serve", description="OpenAI-compatible rsgl server")
+    p.add_argument("--model-path", default=None, help="HF directory or GGUF (default: SmolLM2)")
+    p.add_argument("--tokenizer-path", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--max-queued-requests", type=int, default=None)
+    p.add_argument("--log-requests", action="store_true")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--mem-fraction", "--mem-fraction-static", type=float, default=None)
+    p.add_argument("--max-total-tokens", type=int, default=None)
+    p.add_argument("--max-running-requests", type=int, default=256)
+    p.add_argument("--max-prefill-tokens", type=int, default=16384)
+    p.add_argument("--chunked-prefill-size", type=int, default=2048)
+    p.add_argument("--page-size", type=int, default=1)
+    p.add_argument("--schedule-policy", default="fcfs")
+    p.add_argument("--schedule-conservativeness", type=float, default=1.0)
+    p.add_argument("--disable-radix-cache", action="store_true")
+    p.add_argument("--disable-overlap-schedule", action="store_true")
+    p.add_argument("--enable-mixed-chunk", action="store_true")
+    p.add_argument("--attention-backend", default="torch_native")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def engine_args(ns: argparse.Namespace) -> EngineArgs:
+    fields = set(EngineArgs.__dataclass_fields__)
+    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in fields})
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, but a signal first aborts in-flight requests so their streams end cleanly."""
+
+    frontend: Frontend | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.frontend is not None:
+            self.frontend.abort_all("the server is shutting down")
+        super().handle_exit(sig, frame)
+
+
+def make_app(ns: argparse.Namespace, server: _Server | None = None) -> FastAPI:
+    """The app with a lifespan that owns the scheduler process."""
+    args = engine_args(ns)
+    model_name = ns.served_model_name or (
+        Path(ns.model_path).stem if ns.model_path else DEFAULT_MODEL_NAME
+    )
+    holder = StateHolder()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        from transformers import AutoTokenizer
+
+        ipc_dir = tempfile.mkdtemp(prefix="rsgl-ipc-")
+        command_addr = f"ipc://{ipc_dir}/commands"
+        event_addr = f"ipc://{ipc_dir}/events"
+        ctx = zmq.asyncio.Context()
+        commands = ctx.socket(zmq.PUSH)
+        commands.bind(command_addr)
+        events = ctx.socket(zmq.PULL)
+        events.bind(event_addr)
+        proc = mp.get_context("spawn").Process(
+            target=run_scheduler_process,
+            args=(args, command_addr, event_addr),
+            name="rsgl-scheduler",
+            daemon=True,
+        )
+        proc.start()
+        logger.info("scheduler process %d started; loading the model", proc.pid)
+        info = await _wait_ready(events, proc)
+        tokenizer = AutoTokenizer.from_pretrained(ns.tokenizer_path or info["model_dir"])
+        metrics = ServerMetrics(model_name)
+        frontend = Frontend(
+            tokenizer,
+            info,
+            metrics,
+            commands,
+            events,
+            max_queued_requests=ns.max_queued_requests,
+            log_requests=ns.log_requests,
+        )
+        state = ServerState(
+            frontend=frontend,
+            tokenizer=tokenizer,
+            model_name=model_name,
+            context_length=int(info["context_length"]),
+            max_prompt_len=int(info["max_prompt_len"]),
+            api_key=ns.api_key,
+            is_alive=proc.is_alive,
+        )
+        holder.state = state
+        if server is not None:
+            server.frontend = frontend
+        events_task = asyncio.ensure_future(frontend.run_events())
+        watchdog = asyncio.ensure_future(_watchdog(proc, frontend, server))
+        logger.info("rsgl is ready on http://%s:%d (model %s)", ns.host, ns.port, model_name)
+        try:
+            yield
+        finally:
+            frontend.abort_all("the server is shutting down")
+            watchdog.cancel()
+            if proc.is_alive():
+                await commands.send(ipc.encoder.encode(ipc.Shutdown()))
+                await asyncio.get_running_loop().run_in_executor(None, proc.join, 30)
+            if proc.is_alive():
+                proc.terminate()
+            events_task.cancel()
+            commands.close(linger=0)
+            events.close(linger=0)
+            ctx.term()
+            for name in ("commands", "events"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(ipc_dir, name))
+            with contextlib.suppress(OSError):
+                os.rmdir(ipc_dir)
+
+    return create_app(holder, lifespan)
+
+
+async def _wait_ready(events: zmq.asyncio.Socket, proc: Any) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + READY_TIMEOUT_S
+    while loop.time() < deadline:
+        if not proc.is_alive():
+            raise RuntimeError(
+                f"the scheduler process exited with code {proc.exitcode} during start-up"
+            )
+        if await events.poll(500):
+            event = ipc.event_decoder.decode(await events.recv())
+            if isinstance(event, ipc.Ready):
+                return event.info
+    raise RuntimeError(f"the scheduler process was not ready after {READY_TIMEOUT_S:.0f} s")
+
+
+async def _watchdog(proc: Any, frontend: Frontend, server: _Server | None) -> None:
+    while proc.is_alive():
+        await asyncio.sleep(WATCHDOG_INTERVAL_S)
+    logger.error(
+        "rsgl: the scheduler process exited unexpectedly (exit code %s); shutting down",
+        proc.exitcode,
+    )
+    frontend.healthy = False
+    frontend.abort_all("the scheduler process died")
+    if server is not None:
+        server.should_exit = True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `rsgl serve`."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    ns = build_parser().parse_args(argv)
+    server = _Server(uvicorn.Config(FastAPI(), host=ns.host, port=ns.port))
+    server.config = uvicorn.Config(
+        make_app(ns, server),
+        host=ns.host,
+        port=ns.port,
+        log_level="info",
+        timeout_graceful_shutdown=5,
+    )
+    server.run()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,128 @@
+"""The scheduler process: rsgl._core, the model and the loop, fed by the frontend over ZeroMQ.
+
+It owns no HTTP and no text: requests arrive tokenized, and each step's new token ids and
+finishes go back as one message (the frontend detokenizes and reports stop strings back).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import zmq
+
+from rsgl.engine import EngineArgs, build_stack
+from rsgl.layers.sampling_params import SamplingParams
+from rsgl.scheduler.loop import SchedulerLoop
+from rsgl.server import ipc
+
+logger = logging.getLogger("rsgl.scheduler")
+
+STATS_INTERVAL_S = 1.0
+
+
+class _Outbox:
+    """Collects one step's outputs on the loop thread and sends them as one message."""
+
+    def __init__(self, socket: zmq.Socket[bytes]) -> None:
+        self.socket = socket
+        self.outputs: dict[str, ipc.RequestOutput] = {}
+
+    def deliver_for(self, rid: str) -> Any:
+        def deliver(_text: str, ids: list[int], meta: dict[str, Any] | None) -> None:
+            out = self.outputs.get(rid)
+            if out is None:
+                out = self.outputs[rid] = ipc.RequestOutput(rid, [], None)
+            out.token_ids.extend(ids)
+            if meta is not None:
+                out.meta = meta
+
+        return deliver
+
+    def flush(self) -> None:
+        if self.outputs:
+            self.send(ipc.StepOutputs(list(self.outputs.values())))
+            self.outputs.clear()
+
+    def send(self, event: ipc.Event) -> None:
+        self.socket.send(ipc.encoder.encode(event), copy=False)
+
+
+def run_scheduler_process(args: EngineArgs, command_addr: str, event_addr: str) -> None:
+    """Process entry point: serve commands until `Shutdown` (or the frontend goes away)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    ctx = zmq.Context()
+    events = ctx.socket(zmq.PUSH)
+    events.connect(event_addr)
+    commands = ctx.socket(zmq.PULL)
+    commands.connect(command_addr)
+    outbox = _Outbox(events)
+    stack = build_stack(args)
+    loop = SchedulerLoop(
+        stack.core,
+        stack.runner,
+        None,
+        overlap=not args.disable_overlap_schedule,
+        on_step_end=outbox.flush,
+    )
+    info = {
+        "context_length": stack.context_length,
+        "max_total_tokens": stack.max_total_tokens,
+        "kv_buffer_size": stack.core.kv_buffer_size,
+        "max_prompt_len": stack.core.max_prompt_len,
+        "model_dir": str(stack.runner.loaded.model_dir),
+        "eos_token_ids": list(stack.runner.config.eos_token_ids),
+    }
+    outbox.send(ipc.Ready(info))
+    loop.start()
+    stop = threading.Event()
+
+    def send_stats() -> None:
+        stats: dict[str, Any] = dict(stack.core.stats())
+        stats["steps"] = loop.steps
+        outbox.send(ipc.Stats(stats))
+
+    def stats_timer() -> None:
+        while not stop.wait(STATS_INTERVAL_S):
+            loop.post(send_stats)
+
+    threading.Thread(target=stats_timer, name="rsgl-stats", daemon=True).start()
+    try:
+        while True:
+            if not commands.poll(1000):
+                if loop.error is not None:
+                    raise RuntimeError("the scheduler loop failed") from loop.error
+                continue
+            command = ipc.command_decoder.decode(commands.recv())
+            if isinstance(command, ipc.Shutdown):
+                break
+            _dispatch(command, loop, stack.core, outbox)
+            if loop.error is not None:
+                raise RuntimeError("the scheduler loop failed") from loop.error
+    finally:
+        stop.set()
+        loop.shutdown()
+        outbox.flush()
+        events.close(linger=1000)
+        commands.close(linger=0)
+        ctx.term()
+
+
+def _dispatch(command: ipc.Command, loop: SchedulerLoop, core: Any, outbox: _Outbox) -> None:
+    if isinstance(command, ipc.AddRequest):
+        params = SamplingParams(**command.params)
+        deliver = outbox.deliver_for(command.rid)
+        loop.submit(
+            command.rid, command.prompt_ids, params, deliver, wait=False, priority=command.priority
+        )
+    elif isinstance(command, ipc.AbortRequest):
+        loop.abort(command.rid, command.message, wait=False)
+    elif isinstance(command, ipc.FinishRequest):
+        loop.finish(command.rid, command.matched)
+    elif isinstance(command, ipc.FlushCache):
+        token = command.token
+        loop.post(lambda: outbox.send(ipc.FlushResult(token, bool(core.flush_cache()))))
+    # Outputs produced outside a step (an abort of a queued request, a rejected request) go
+    # out right away rather than waiting for the next step.
+    loop.post(outbox.flush)
