@@ -1,0 +1,259 @@
+"""A real `rsgl serve` on loopback (the embedded SmolLM2), hit with the official openai client,
+httpx and prometheus_client's parser."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+KEY = "test-key"
+MODEL = "SmolLM2-135M-Instruct"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_QUEUED = 96
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    log = open(log_path, "w")  # noqa: SIM115 - closed below, after the process
+    cmd = [sys.executable, "-m", "rsgl", "serve", "--port", str(port), "--api-key", KEY]
+    cmd += ["--max-total-tokens", "40000", "--max-queued-requests", str(MAX_QUEUED)]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        assert proc.poll() is None, Path(log_path).read_text()
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    else:
+        pytest.fail("server did not start: " + Path(log_path).read_text())
+    yield url
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(timeout=60)
+    finally:
+        log.close()
+    text = Path(log_path).read_text()
+    # uvicorn re-raises the signal after its graceful shutdown, so -SIGTERM is a clean exit.
+    assert code in (0, -signal.SIGTERM), text
+    assert "Application shutdown complete" in text
+
+
+@pytest.fixture(scope="module")
+def client(server: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0)
+
+
+def stats(server: str) -> dict[str, Any]:
+    info = httpx.get(f"{server}/get_server_info", headers=AUTH, timeout=10).json()
+    return dict(info["stats"])
+
+
+def wait_idle(server: str) -> dict[str, Any]:
+    """Waits for the scheduler's periodic stats to show an idle engine."""
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        s = stats(server)
+        if s and s["live"] == 0 and s["running"] == 0 and s["waiting"] == 0:
+            return s
+        time.sleep(0.5)
+    pytest.fail(f"engine never went idle: {stats(server)}")
+
+
+def test_completions_stream_and_not_agree(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(model=MODEL, prompt="The capital of France is", max_tokens=16)
+    whole = client.completions.create(temperature=0, **kw)
+    assert whole.choices[0].text and whole.choices[0].finish_reason in ("stop", "length")
+    assert whole.usage is not None and whole.usage.prompt_tokens == 5
+    chunks = list(
+        client.completions.create(
+            temperature=0, stream=True, stream_options={"include_usage": True}, **kw
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_chat_stream_and_not_agree(client: openai.OpenAI) -> None:
+    msgs: Any = [{"role": "user", "content": "What is the capital of France?"}]
+    whole = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=20, temperature=0)
+    content = whole.choices[0].message.content
+    assert content and "Paris" in content
+    stream = client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=20, temperature=0, stream=True
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == content
+
+
+def test_n_stop_and_logprobs(client: openai.OpenAI) -> None:
+    out = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0, n=2
+    )
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.choices[0].text == out.choices[1].text
+    full = out.choices[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    cut = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0, stop=[stop]
+    )
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == full[: full.index(stop)]
+    lp = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0, logprobs=2
+    )
+    logprobs = lp.choices[0].logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None
+    assert len(logprobs.token_logprobs) == 5 and all(x <= 0 for x in logprobs.token_logprobs)
+    assert logprobs.top_logprobs is not None
+    assert all(1 <= len(t) <= 2 for t in logprobs.top_logprobs)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    assert chat.choices[0].logprobs is not None and chat.choices[0].logprobs.content
+    assert len(chat.choices[0].logprobs.content[0].top_logprobs) == 2
+
+
+def test_native_generate_and_control_endpoints(server: str) -> None:
+    body = {"text": "Hello", "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+    r = httpx.post(f"{server}/generate", json=body, headers=AUTH, timeout=60).json()
+    assert len(r["output_ids"]) == r["meta_info"]["completion_tokens"] > 0
+    with httpx.stream(
+        "POST", f"{server}/generate", json=dict(body, stream=True), headers=AUTH, timeout=60
+    ) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line[6:].startswith("{")]
+    assert "".join(e["text"] for e in events) == r["text"]
+    assert httpx.get(f"{server}/health_generate", timeout=60).status_code == 200
+    wait_idle(server)
+    flush = httpx.post(f"{server}/flush_cache", headers=AUTH, timeout=30)
+    assert flush.status_code == 200 and flush.json()["success"]
+    unknown = httpx.post(f"{server}/abort_request", json={"rid": "nope"}, headers=AUTH)
+    assert unknown.json() == {"aborted": False}
+    models = httpx.get(f"{server}/v1/models", headers=AUTH).json()
+    assert models["data"][0]["id"] == MODEL
+
+
+def error_of(resp: httpx.Response, status: int) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return dict(err)
+
+
+def test_errors_are_openai_shaped_and_the_server_stays_healthy(server: str) -> None:
+    url = f"{server}/v1/completions"
+    ok = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    err = error_of(httpx.post(url, json=dict(ok, temperature=-1), headers=AUTH), 400)
+    assert err["param"] == "temperature"
+    err = error_of(httpx.post(url, json=dict(ok, stream=True, top_p=0), headers=AUTH), 400)
+    assert err["param"] == "top_p"  # validated before the stream starts
+    error_of(httpx.post(url, json=dict(ok, prompt=""), headers=AUTH), 400)
+    long = dict(ok, prompt=[100] * 9000)
+    err = error_of(httpx.post(url, json=long, headers=AUTH), 400)
+    assert err["message"].startswith("This model's maximum context length is 8192 tokens")
+    error_of(httpx.post(url, json=ok), 401)
+    error_of(httpx.post(url, json=ok, headers={"Authorization": "Bearer wrong"}), 401)
+    err = error_of(httpx.post(url, json=dict(ok, model="gpt-4"), headers=AUTH), 404)
+    assert err["code"] == "model_not_found"
+    error_of(httpx.post(url, json={"model": MODEL}, headers=AUTH), 400)  # no prompt
+    assert httpx.get(f"{server}/health").status_code == 200
+    assert httpx.post(url, json=ok, headers=AUTH, timeout=60).status_code == 200
+
+
+def test_queue_limit_answers_503(server: str) -> None:
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=300, headers=AUTH) as c:
+            body = {"model": MODEL, "prompt": "Count:", "max_tokens": 2, "temperature": 0}
+            return await asyncio.gather(
+                *(c.post(f"{server}/v1/completions", json=body) for _ in range(MAX_QUEUED + 40))
+            )
+
+    responses = asyncio.run(burst())
+    codes = [r.status_code for r in responses]
+    assert 503 in codes and 200 in codes, codes
+    assert set(codes) <= {200, 503}
+    error_of(next(r for r in responses if r.status_code == 503), 503)
+    wait_idle(server)
+    assert httpx.get(f"{server}/health").status_code == 200
+
+
+def metric_values(server: str) -> dict[str, float]:
+    text = httpx.get(f"{server}/metrics").text
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+def test_concurrent_streams_with_disconnects_are_aborted_without_leaks(server: str) -> None:
+    before = metric_values(server)
+    aborts_before = stats(server)["aborts"]
+
+    async def one(c: httpx.AsyncClient, i: int) -> int:
+        body = {
+            "model": MODEL,
+            "prompt": f"Story number {i}:",
+            "max_tokens": 48,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        chunks = 0
+        async with c.stream("POST", f"{server}/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {"):
+                    chunks += 1
+                    if i < 16 and chunks == 3:
+                        return -1  # disconnect mid-stream
+        return chunks
+
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(timeout=600, headers=AUTH) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(64)))
+
+    results = asyncio.run(run())
+    assert results[:16] == [-1] * 16
+    assert all(r > 1 for r in results[16:])
+    idle = wait_idle(server)
+    assert idle["held"] == 0 and idle["protected"] == 0, idle
+    assert idle["aborts"] - aborts_before >= 16
+    after = metric_values(server)
+    aborted = "rsgl_aborted_requests_total"
+    assert after[aborted] - before.get(aborted, 0) >= 16
+    assert after["rsgl_generation_tokens_total"] > before.get("rsgl_generation_tokens_total", 0)
+    assert after["rsgl_requests_total"] - before.get("rsgl_requests_total", 0) >= 64
+    assert after["rsgl_time_to_first_token_seconds_count"] > 0
+    assert httpx.get(f"{server}/health").status_code == 200
