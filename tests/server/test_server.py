@@ -85,7 +85,7 @@ def wait_idle(server: str) -> dict[str, Any]:
 
 
 def test_completions_stream_and_not_agree(client: openai.OpenAI) -> None:
-    kw: dict[str, Any] = dict(model=MODEL, prompt="The capital of France is", max_tokens=16)
+    kw: dict[str, Any] = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 16}
     whole = client.completions.create(temperature=0, **kw)
     assert whole.choices[0].text and whole.choices[0].finish_reason in ("stop", "length")
     assert whole.usage is not None and whole.usage.prompt_tokens == 5
