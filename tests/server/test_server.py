@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -257,3 +258,30 @@ def test_concurrent_streams_with_disconnects_are_aborted_without_leaks(server: s
     assert after["rsgl_requests_total"] - before.get("rsgl_requests_total", 0) >= 64
     assert after["rsgl_time_to_first_token_seconds_count"] > 0
     assert httpx.get(f"{server}/health").status_code == 200
+
+
+def test_a_dying_scheduler_takes_the_server_down_with_a_clear_log(tmp_path: Path) -> None:
+    port = free_port()
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        cmd = [sys.executable, "-m", "rsgl", "serve", "--port", str(port)]
+        proc = subprocess.Popen(cmd + ["--max-total-tokens", "8000"], stdout=log, stderr=log)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            assert proc.poll() is None, log_path.read_text()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        pid = httpx.get(f"{url}/get_server_info").json()["scheduler_pid"]
+
+        os.kill(pid, signal.SIGKILL)
+        try:
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text = log_path.read_text()
+    assert "the scheduler process exited unexpectedly" in text, text

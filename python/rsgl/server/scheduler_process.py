@@ -7,6 +7,7 @@ finishes go back as one message (the frontend detokenizes and reports stop strin
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Any
 
@@ -73,6 +74,7 @@ def run_scheduler_process(args: EngineArgs, command_addr: str, event_addr: str) 
         "max_prompt_len": stack.core.max_prompt_len,
         "model_dir": str(stack.runner.loaded.model_dir),
         "eos_token_ids": list(stack.runner.config.eos_token_ids),
+        "scheduler_pid": os.getpid(),
     }
     outbox.send(ipc.Ready(info))
     loop.start()
