@@ -23,7 +23,6 @@ from prometheus_client.parser import text_string_to_metric_families
 KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-MAX_QUEUED = 96
 
 
 def free_port() -> int:
@@ -32,36 +31,43 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def launch(log_path: Path, *flags: str) -> tuple[subprocess.Popen[bytes], str]:
+    """Starts `rsgl serve` on a free port and waits until /health answers 200."""
     port = free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    log = open(log_path, "w")  # noqa: SIM115 - closed below, after the process
-    cmd = [sys.executable, "-m", "rsgl", "serve", "--port", str(port), "--api-key", KEY]
-    cmd += ["--max-total-tokens", "40000", "--max-queued-requests", str(MAX_QUEUED)]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    cmd = [sys.executable, "-m", "rsgl", "serve", "--port", str(port), *flags]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
     while time.time() < deadline:
-        assert proc.poll() is None, Path(log_path).read_text()
+        assert proc.poll() is None, log_path.read_text()
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
+                return proc, url
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    else:
-        pytest.fail("server did not start: " + Path(log_path).read_text())
-    yield url
+    proc.kill()
+    pytest.fail("server did not start: " + log_path.read_text())
+
+
+def stop(proc: subprocess.Popen[bytes], log_path: Path) -> str:
+    """SIGTERM, then the log; the exit must be clean."""
     proc.send_signal(signal.SIGTERM)
-    try:
-        code = proc.wait(timeout=60)
-    finally:
-        log.close()
-    text = Path(log_path).read_text()
+    code = proc.wait(timeout=60)
+    text = log_path.read_text()
     # uvicorn re-raises the signal after its graceful shutdown, so -SIGTERM is a clean exit.
     assert code in (0, -signal.SIGTERM), text
     assert "Application shutdown complete" in text
+    return text
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    proc, url = launch(log_path, "--api-key", KEY, "--max-total-tokens", "40000")
+    yield url
+    stop(proc, log_path)
 
 
 @pytest.fixture(scope="module")
@@ -192,23 +198,6 @@ def test_errors_are_openai_shaped_and_the_server_stays_healthy(server: str) -> N
     assert httpx.post(url, json=ok, headers=AUTH, timeout=60).status_code == 200
 
 
-def test_queue_limit_answers_503(server: str) -> None:
-    async def burst() -> list[httpx.Response]:
-        async with httpx.AsyncClient(timeout=300, headers=AUTH) as c:
-            body = {"model": MODEL, "prompt": "Count:", "max_tokens": 2, "temperature": 0}
-            return await asyncio.gather(
-                *(c.post(f"{server}/v1/completions", json=body) for _ in range(MAX_QUEUED + 40))
-            )
-
-    responses = asyncio.run(burst())
-    codes = [r.status_code for r in responses]
-    assert 503 in codes and 200 in codes, codes
-    assert set(codes) <= {200, 503}
-    error_of(next(r for r in responses if r.status_code == 503), 503)
-    wait_idle(server)
-    assert httpx.get(f"{server}/health").status_code == 200
-
-
 def metric_values(server: str) -> dict[str, float]:
     text = httpx.get(f"{server}/metrics").text
     values: dict[str, float] = {}
@@ -260,28 +249,45 @@ def test_concurrent_streams_with_disconnects_are_aborted_without_leaks(server: s
     assert httpx.get(f"{server}/health").status_code == 200
 
 
-def test_a_dying_scheduler_takes_the_server_down_with_a_clear_log(tmp_path: Path) -> None:
-    port = free_port()
+def test_queue_limit_answers_503_and_a_dying_scheduler_takes_the_server_down(
+    tmp_path: Path,
+) -> None:
+    # One request slot and a queue of one: a long request runs, the next waits, the third
+    # is refused.
     log_path = tmp_path / "server.log"
-    with open(log_path, "w") as log:
-        cmd = [sys.executable, "-m", "rsgl", "serve", "--port", str(port)]
-        proc = subprocess.Popen(cmd + ["--max-total-tokens", "8000"], stdout=log, stderr=log)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            assert proc.poll() is None, log_path.read_text()
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        pid = httpx.get(f"{url}/get_server_info").json()["scheduler_pid"]
+    flags = ["--max-total-tokens", "8000", "--max-running-requests", "1"]
+    proc, url = launch(log_path, *flags, "--max-queued-requests", "1")
+    try:
+        long = {"model": MODEL, "prompt": "Count:", "max_tokens": 400, "ignore_eos": True}
 
+        async def scenario() -> tuple[list[int], dict[str, Any]]:
+            async with httpx.AsyncClient(timeout=300) as c:
+                async with c.stream(
+                    "POST", f"{url}/v1/completions", json=dict(long, stream=True)
+                ) as running:
+                    lines = running.aiter_lines()
+                    while not (await anext(lines)).startswith("data: {"):
+                        pass  # the first request has its first token: it holds the slot
+                    waiting = asyncio.ensure_future(
+                        c.post(f"{url}/v1/completions", json=dict(long, max_tokens=2))
+                    )
+                    await asyncio.sleep(1.0)
+                    refused = await c.post(f"{url}/v1/completions", json=long)
+                    codes = [refused.status_code]
+                    err = refused.json()
+                # Leaving the stream disconnects the first request, which frees the slot.
+                codes.append((await waiting).status_code)
+                return codes, err
+
+        codes, err = asyncio.run(scenario())
+        assert codes == [503, 200]
+        assert err["error"]["type"] == "ServiceUnavailableError"
+        assert "queued requests" in err["error"]["message"]
+        assert httpx.get(f"{url}/health").status_code == 200
+        pid = httpx.get(f"{url}/get_server_info").json()["scheduler_pid"]
         os.kill(pid, signal.SIGKILL)
-        try:
-            proc.wait(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-    text = log_path.read_text()
-    assert "the scheduler process exited unexpectedly" in text, text
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "the scheduler process exited unexpectedly" in log_path.read_text()
