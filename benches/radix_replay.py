@@ -82,9 +82,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("trace")
     parser.add_argument("--page-size", type=int, default=1)
-    parser.add_argument("--repeat", type=int, default=5, help="report the median of N replays")
+    parser.add_argument("--repeat", type=int, default=15, help="report the median of N replays")
+    parser.add_argument(
+        "--warmup", type=int, default=10, help="untimed replays first (allocator warm-up)"
+    )
     args = parser.parse_args()
     pool_tokens, requests = load(args.trace)
+    for _ in range(args.warmup):
+        replay(pool_tokens, requests, args.page_size)
     runs = [replay(pool_tokens, requests, args.page_size) for _ in range(args.repeat)]
     runs.sort(key=lambda r: r["seconds"])
     print(json.dumps(runs[len(runs) // 2]))
