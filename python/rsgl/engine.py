@@ -283,6 +283,7 @@ class Engine:
                 jobs.append((base if n == 1 else f"{base}-{k}", ids, p))
         self._loop.start()
         collectors = []
+        batch = []
         for rid, ids, p in jobs:
             c = _Collector(aio_loop)
             if p.max_new_tokens == 0:
@@ -296,8 +297,10 @@ class Engine:
                 }
                 c.deliver("", [], meta)
             else:
-                self._loop.submit(rid, ids, p, c.deliver)
+                batch.append((rid, ids, p, c.deliver))
             collectors.append(c)
+        # One command for the whole call, so its prompts are prefilled together.
+        self._loop.submit_many(batch)
         return collectors
 
     def _normalize(

@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -137,26 +137,7 @@ class SchedulerLoop:
         `deliver` (its message starts with "invalid request:")."""
 
         def add() -> None:
-            if rid in self._by_rid:
-                raise ValueError(f"request id {rid!r} is already in use")
-            core_id = self._next_core_id
-            self.core.add_request(
-                core_id,
-                np.asarray(prompt_ids, dtype=np.int64),
-                params.max_new_tokens,
-                min_new_tokens=params.min_new_tokens,
-                stop_token_ids=params.stop_token_ids,
-                ignore_eos=params.ignore_eos,
-                priority=priority,
-            )
-            self._next_core_id += 1
-            detok = None
-            if self.tokenizer is not None:
-                detok = IncrementalDetokenizer(
-                    self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens
-                )
-            self._requests[core_id] = Request(rid, core_id, prompt_ids, params, deliver, detok)
-            self._by_rid[rid] = core_id
+            self._add(rid, prompt_ids, params, deliver, priority)
 
         if wait:
             self.call(add)
@@ -171,6 +152,58 @@ class SchedulerLoop:
                 deliver("", [], meta)
 
         self._inbox.put(add_or_report)
+
+    def _add(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        deliver: Deliver,
+        priority: int,
+    ) -> None:
+        """On the loop thread: registers a request with the core and here."""
+        if rid in self._by_rid:
+            raise ValueError(f"request id {rid!r} is already in use")
+        core_id = self._next_core_id
+        self.core.add_request(
+            core_id,
+            np.asarray(prompt_ids, dtype=np.int64),
+            params.max_new_tokens,
+            min_new_tokens=params.min_new_tokens,
+            stop_token_ids=params.stop_token_ids,
+            ignore_eos=params.ignore_eos,
+            priority=priority,
+        )
+        self._next_core_id += 1
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens
+            )
+        self._requests[core_id] = Request(rid, core_id, prompt_ids, params, deliver, detok)
+        self._by_rid[rid] = core_id
+
+    def submit_many(
+        self, requests: Sequence[tuple[str, list[int], SamplingParams, Deliver]]
+    ) -> None:
+        """Queues several requests in one loop command, so the next plan sees them all.
+        If one is rejected, the ones already added are aborted and the error is raised."""
+        added: list[str] = []
+
+        def add_all() -> None:
+            try:
+                for rid, prompt_ids, params, deliver in requests:
+                    self._add(rid, prompt_ids, params, deliver, 0)
+                    added.append(rid)
+            except BaseException:
+                for rid in added:
+                    core_id = self._by_rid.pop(rid)
+                    self.core.abort(core_id, "another request of the batch was rejected")
+                    del self._requests[core_id]
+                raise
+
+        if requests:
+            self.call(add_all)
 
     def post(self, fn: Callable[[], object]) -> None:
         """Runs `fn` on the loop thread soon, without waiting."""
