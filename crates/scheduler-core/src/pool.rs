@@ -90,6 +90,14 @@ impl TokenPool {
         }
         let start = self.free_pages.len() - pages;
         let taken = self.free_pages[start..].iter().rev();
+        if p == 1 {
+            // Token granularity: a page is a slot.
+            out.iter_mut()
+                .zip(taken)
+                .for_each(|(slot, &page)| *slot = page);
+            self.free_pages.truncate(start);
+            return true;
+        }
         for (chunk, &page) in out.chunks_mut(p).zip(taken) {
             let first = page * self.page_size;
             for (i, slot) in chunk.iter_mut().enumerate() {
