@@ -210,6 +210,19 @@ def create_app(holder: StateHolder, lifespan: Any = None) -> FastAPI:
             for t in tasks:
                 t.cancel()
 
+    def envelope(
+        cid: str, kind: str, created: int, choices: list[dict[str, Any]], **extra: Any
+    ) -> dict[str, Any]:
+        """An OpenAI response or stream chunk around `choices`."""
+        body = {
+            "id": cid,
+            "object": kind,
+            "created": created,
+            "model": st().model_name,
+            "choices": choices,
+        }
+        return dict(body, **extra)
+
     def sse(obj: Any) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -315,14 +328,7 @@ def create_app(holder: StateHolder, lifespan: Any = None) -> FastAPI:
         created = int(time.time())
 
         def chunk(choices_: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> str:
-            body = {
-                "id": cid,
-                "object": "text_completion",
-                "created": created,
-                "model": st().model_name,
-                "choices": choices_,
-            }
-            return sse(dict(body, **(extra or {})))
+            return sse(envelope(cid, "text_completion", created, choices_, **(extra or {})))
 
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -357,12 +363,11 @@ def create_app(holder: StateHolder, lifespan: Any = None) -> FastAPI:
 
         results = await collect(request, choices)
         metas = [u.meta or {} for _, u in results]
-        return {
-            "id": cid,
-            "object": "text_completion",
-            "created": created,
-            "model": st().model_name,
-            "choices": [
+        return envelope(
+            cid,
+            "text_completion",
+            created,
+            [
                 {
                     "index": c.index,
                     "text": c.prefix + u.text,
@@ -371,8 +376,8 @@ def create_app(holder: StateHolder, lifespan: Any = None) -> FastAPI:
                 }
                 for c, u in results
             ],
-            "usage": sum_usage(with_prompt_index([c for c, _ in results], metas)),
-        }
+            usage=sum_usage(with_prompt_index([c for c, _ in results], metas)),
+        )
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
@@ -399,14 +404,7 @@ def create_app(holder: StateHolder, lifespan: Any = None) -> FastAPI:
         created = int(time.time())
 
         def chunk(choices_: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> str:
-            body = {
-                "id": cid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": st().model_name,
-                "choices": choices_,
-            }
-            return sse(dict(body, **(extra or {})))
+            return sse(envelope(cid, "chat.completion.chunk", created, choices_, **(extra or {})))
 
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -440,12 +438,11 @@ def create_app(holder: StateHolder, lifespan: Any = None) -> FastAPI:
 
         results = await collect(request, choices)
         metas = [dict(u.meta or {}, prompt_index=0) for _, u in results]
-        return {
-            "id": cid,
-            "object": "chat.completion",
-            "created": created,
-            "model": st().model_name,
-            "choices": [
+        return envelope(
+            cid,
+            "chat.completion",
+            created,
+            [
                 {
                     "index": c.index,
                     "message": {"role": "assistant", "content": u.text},
@@ -454,8 +451,8 @@ def create_app(holder: StateHolder, lifespan: Any = None) -> FastAPI:
                 }
                 for c, u in results
             ],
-            "usage": sum_usage(metas),
-        }
+            usage=sum_usage(metas),
+        )
 
     # ---------------------------------------------------------------- native
 
