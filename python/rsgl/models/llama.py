@@ -10,6 +10,7 @@ from torch import nn
 
 from rsgl.layers.attention.base import AttentionBackend
 from rsgl.layers.cpu_kernels import load_cpu_kernels
+from rsgl.layers.linear import PackedLinear, onednn_packing_enabled, pack_linears
 from rsgl.layers.norm import RMSNorm
 from rsgl.layers.rotary import RotaryEmbedding, apply_rotary, interleave_rotary_pairs
 from rsgl.model_executor.forward_batch import ForwardBatch
@@ -152,6 +153,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: nn.Linear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Set by pack_cpu_weights: the LM head in oneDNN's layout (the embedding, when tied,
+        # keeps its plain copy for lookups).
+        self.packed_lm_head: PackedLinear | None = None
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope)
 
     @property
@@ -163,6 +167,22 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:
             return self.model.embed_tokens.weight
         return self.lm_head.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, hidden] final-normed states -> [B, vocab] logits."""
+        if self.packed_lm_head is not None:
+            logits: torch.Tensor = self.packed_lm_head(hidden)
+            return logits
+        return F.linear(hidden, self.lm_head_weight())
+
+    def pack_cpu_weights(self) -> bool:
+        """Reorder every projection and the LM head into oneDNN's layout (float32 CPU only;
+        see rsgl.layers.linear). Call once, after the weights are loaded."""
+        if not onednn_packing_enabled(self.lm_head_weight()):
+            return False
+        pack_linears(self.model)
+        self.packed_lm_head = PackedLinear(self.lm_head_weight(), None)
+        return True
 
     def forward(
         self,
@@ -180,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
         last = batch.last_token_index
         assert residual is not None
         normed, _ = self.model.norm.add_forward(hidden[last], residual[last])
-        return F.linear(normed, self.lm_head_weight())
+        return self.compute_logits(normed)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

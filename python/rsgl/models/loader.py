@@ -177,6 +177,7 @@ def load_model(
     # Non-persistent buffers came out of to_empty uninitialised; rebuild them for real.
     net.rotary = type(net.rotary)(config.head_dim, positions, config.rope).to(device)
     net.eval()
+    net.pack_cpu_weights()
     return LoadedModel(net, config, model_dir, dtype, device)
 
 
