@@ -60,3 +60,53 @@ def test_whole_model_eager_paths_match_kernel_paths(
     assert eager == with_kernels
     for a, b in zip(logits_k, logits_e):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
+
+
+def test_decode_layer_rotates_stores_and_attends(kernels: CpuKernels) -> None:
+    from rsgl.layers.rotary import apply_rotary
+
+    gen = torch.Generator().manual_seed(2)
+    heads, kv_heads, dim, lens = 6, 2, 16, [5, 1, 9]
+    b = len(lens)
+    k_buf = torch.randn(64, kv_heads, dim, generator=gen)
+    v_buf = torch.randn(64, kv_heads, dim, generator=gen)
+    # Each request's sequence lives in scattered slots; its last position is the new token.
+    slots = torch.randperm(63, generator=gen)[: sum(lens)] + 1
+    table = torch.zeros(4, 16, dtype=torch.int32)
+    req_slots = torch.tensor([3, 0, 2])
+    seq_slots = slots.split(lens)
+    for row, sl in zip(req_slots.tolist(), seq_slots):
+        table[row, : len(sl)] = sl.to(torch.int32)
+    loc = torch.stack([sl[-1] for sl in seq_slots]).long()
+    qkv = torch.randn(b, (heads + 2 * kv_heads) * dim, generator=gen)
+    angles = torch.rand(b, 1, dim // 2, generator=gen) * 6
+    cis = torch.polar(torch.ones_like(angles), angles)
+    k_ref, v_ref = k_buf.clone(), v_buf.clone()
+
+    out = kernels.decode_layer(
+        qkv,
+        torch.view_as_real(cis),
+        loc,
+        k_buf,
+        v_buf,
+        table,
+        req_slots,
+        torch.tensor(lens),
+        heads,
+        dim**-0.5,
+    )
+
+    q = apply_rotary(qkv[:, : heads * dim].view(b, heads, dim), cis)
+    k_new = apply_rotary(qkv[:, heads * dim : (heads + kv_heads) * dim].view(b, kv_heads, dim), cis)
+    k_ref[loc] = k_new
+    v_ref[loc] = qkv[:, (heads + kv_heads) * dim :].view(b, kv_heads, dim)
+    torch.testing.assert_close(k_buf, k_ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(v_buf, v_ref, atol=0, rtol=0)
+    for i, sl in enumerate(seq_slots):
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[i].unsqueeze(1),
+            k_ref[sl].transpose(0, 1),
+            v_ref[sl].transpose(0, 1),
+            enable_gqa=True,
+        )
+        torch.testing.assert_close(out[i].view(heads, dim), ref.squeeze(1), atol=1e-5, rtol=1e-5)

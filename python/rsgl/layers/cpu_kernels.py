@@ -71,7 +71,7 @@ static inline float sigmoid(float x) {
 void rsgl_add_rmsnorm(const float* x, const float* residual, float* residual_out,
                       const float* w, float* out, int64_t rows, int64_t dim, float eps,
                       int nthreads) {
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * dim > 262144)
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * dim > 32768)
     for (int64_t r = 0; r < rows; r++) {
         const float* xr = x + r * dim;
         float* hr = residual_out + r * dim;
@@ -99,7 +99,7 @@ void rsgl_add_rmsnorm(const float* x, const float* residual, float* residual_out
 /* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i] */
 void rsgl_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter,
                    int nthreads) {
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * inter > 262144)
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * inter > 32768)
     for (int64_t r = 0; r < rows; r++) {
         const float* g = gate_up + r * 2 * inter;
         const float* u = g + inter;
@@ -109,62 +109,107 @@ void rsgl_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter
     }
 }
 
+/* Attention of one decode query (all H heads, qb) over the request's keys and values, read
+   through its req_to_token row: scores for every head from one pass over the K rows, softmax,
+   then one pass over the V rows. Query head h reads kv head h / (H / Hkv). */
+static void attend_one(const float* qb, const float* kb, const float* vb, const int32_t* slots,
+                       int64_t len, int64_t H, int64_t Hkv, int64_t D, float scale,
+                       float* sc, float* ob) {
+    const int64_t G = H / Hkv;
+    const int64_t row = Hkv * D;
+    for (int64_t s = 0; s < len; s++) {
+        if (s + PREFETCH_AHEAD < len)
+            prefetch_row(kb + (int64_t)slots[s + PREFETCH_AHEAD] * row, row);
+        const float* k = kb + (int64_t)slots[s] * row;
+        for (int64_t h = 0; h < H; h++) {
+            const float* kh = k + (h / G) * D;
+            const float* qh = qb + h * D;
+            float acc = 0.f;
+            #pragma omp simd reduction(+ : acc)
+            for (int64_t d = 0; d < D; d++) acc += qh[d] * kh[d];
+            sc[h * len + s] = acc * scale;
+        }
+    }
+    for (int64_t h = 0; h < H; h++) {
+        float* sh = sc + h * len;
+        float mx = -FLT_MAX;
+        for (int64_t s = 0; s < len; s++) mx = sh[s] > mx ? sh[s] : mx;
+        float sum = 0.f;
+        for (int64_t s = 0; s < len; s++) {
+            sh[s] = exp_nonpos(sh[s] - mx);
+            sum += sh[s];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t s = 0; s < len; s++) sh[s] *= inv;
+        for (int64_t d = 0; d < D; d++) ob[h * D + d] = 0.f;
+    }
+    for (int64_t s = 0; s < len; s++) {
+        if (s + PREFETCH_AHEAD < len)
+            prefetch_row(vb + (int64_t)slots[s + PREFETCH_AHEAD] * row, row);
+        const float* v = vb + (int64_t)slots[s] * row;
+        for (int64_t h = 0; h < H; h++) {
+            const float* vh = v + (h / G) * D;
+            float* oh = ob + h * D;
+            const float p = sc[h * len + s];
+            #pragma omp simd
+            for (int64_t d = 0; d < D; d++) oh[d] += p * vh[d];
+        }
+    }
+}
+
 /* out[b, h] = softmax(q[b, h] . K[b]^T * scale) V[b] for one query per request, where the
-   keys of request b are the rows kb[req_to_token[req_slots[b], 0:seq_lens[b]]] and query
-   head h reads kv head h / (H / Hkv). One request per work item: its K rows are read once
-   for all heads (scores), then its V rows once (weighted sum). */
+   keys of request b are the rows kb[req_to_token[req_slots[b], 0:seq_lens[b]]]. One request
+   per work item. */
 void rsgl_decode_attention(
     const float* q, const float* kb, const float* vb, const int32_t* req_to_token,
     int64_t r2t_stride, const int64_t* req_slots, const int64_t* seq_lens, float* out,
     int64_t B, int64_t H, int64_t Hkv, int64_t D, float scale, int nthreads) {
-    const int64_t G = H / Hkv;
-    const int64_t row = Hkv * D;
     #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t b = 0; b < B; b++) {
         const int64_t len = seq_lens[b];
-        const int32_t* slots = req_to_token + req_slots[b] * r2t_stride;
-        const float* qb = q + b * H * D;
-        float* ob = out + b * H * D;
         float* sc = (float*)malloc(sizeof(float) * (size_t)(len * H));
-        for (int64_t s = 0; s < len; s++) {
-            if (s + PREFETCH_AHEAD < len)
-                prefetch_row(kb + (int64_t)slots[s + PREFETCH_AHEAD] * row, row);
-            const float* k = kb + (int64_t)slots[s] * row;
-            for (int64_t h = 0; h < H; h++) {
-                const float* kh = k + (h / G) * D;
-                const float* qh = qb + h * D;
-                float acc = 0.f;
-                #pragma omp simd reduction(+ : acc)
-                for (int64_t d = 0; d < D; d++) acc += qh[d] * kh[d];
-                sc[h * len + s] = acc * scale;
-            }
-        }
-        for (int64_t h = 0; h < H; h++) {
-            float* sh = sc + h * len;
-            float mx = -FLT_MAX;
-            for (int64_t s = 0; s < len; s++) mx = sh[s] > mx ? sh[s] : mx;
-            float sum = 0.f;
-            for (int64_t s = 0; s < len; s++) {
-                sh[s] = exp_nonpos(sh[s] - mx);
-                sum += sh[s];
-            }
-            const float inv = 1.f / sum;
-            for (int64_t s = 0; s < len; s++) sh[s] *= inv;
-            for (int64_t d = 0; d < D; d++) ob[h * D + d] = 0.f;
-        }
-        for (int64_t s = 0; s < len; s++) {
-            if (s + PREFETCH_AHEAD < len)
-                prefetch_row(vb + (int64_t)slots[s + PREFETCH_AHEAD] * row, row);
-            const float* v = vb + (int64_t)slots[s] * row;
-            for (int64_t h = 0; h < H; h++) {
-                const float* vh = v + (h / G) * D;
-                float* oh = ob + h * D;
-                const float p = sc[h * len + s];
-                #pragma omp simd
-                for (int64_t d = 0; d < D; d++) oh[d] += p * vh[d];
-            }
-        }
+        attend_one(q + b * H * D, kb, vb, req_to_token + req_slots[b] * r2t_stride, len, H, Hkv,
+                   D, scale, sc, out + b * H * D);
         free(sc);
+    }
+}
+
+/* A decode-only layer step after the QKV projection, per request b: rotate q and k of row b
+   of qkv ([B, (H + 2 Hkv) D], pair-interleaved rotary layout) by cis[b] ([D / 2] (cos, sin)
+   pairs), store the rotated k and v at KV slot loc[b], then attend as rsgl_decode_attention.
+   Request b's own key is among those it reads (req_to_token already maps position
+   seq_lens[b] - 1 to loc[b]); other requests never read row loc[b]. */
+void rsgl_decode_layer(
+    const float* qkv, const float* cis, const int64_t* loc, float* kb, float* vb,
+    const int32_t* req_to_token, int64_t r2t_stride, const int64_t* req_slots,
+    const int64_t* seq_lens, float* out, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+    float scale, int nthreads) {
+    const int64_t row = Hkv * D;
+    const int64_t width = (H + 2 * Hkv) * D;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t len = seq_lens[b];
+        const float* x = qkv + b * width;
+        const float* cs = cis + b * D;
+        float* q = (float*)malloc(sizeof(float) * (size_t)(H * D + len * H));
+        float* sc = q + H * D;
+        float* k = kb + loc[b] * row;
+        for (int64_t h = 0; h < H + Hkv; h++) {
+            const float* xh = x + h * D;
+            float* dst = h < H ? q + h * D : k + (h - H) * D;
+            for (int64_t i = 0; i < D / 2; i++) {
+                const float c = cs[2 * i], s = cs[2 * i + 1];
+                const float x0 = xh[2 * i], x1 = xh[2 * i + 1];
+                dst[2 * i] = x0 * c - x1 * s;
+                dst[2 * i + 1] = x0 * s + x1 * c;
+            }
+        }
+        const float* v = x + (H + Hkv) * D;
+        float* vdst = vb + loc[b] * row;
+        for (int64_t i = 0; i < row; i++) vdst[i] = v[i];
+        attend_one(q, kb, vb, req_to_token + req_slots[b] * r2t_stride, len, H, Hkv, D, scale,
+                   sc, out + b * H * D);
+        free(q);
     }
 }
 """
@@ -178,6 +223,11 @@ def _check(*tensors: torch.Tensor) -> None:
             raise ValueError("CPU kernels take contiguous float32 CPU tensors")
 
 
+def _check_index(t: torch.Tensor, dtype: torch.dtype) -> None:
+    if not t.is_contiguous() or t.device.type != "cpu" or t.dtype != dtype:
+        raise ValueError(f"CPU kernels take contiguous {dtype} CPU index tensors")
+
+
 class CpuKernels:
     """ctypes handles on the compiled kernels; every method writes into `out`."""
 
@@ -188,11 +238,14 @@ class CpuKernels:
         self._decode = lib.rsgl_decode_attention
         self._decode.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
         self._decode.argtypes += [f32, i32]
+        self._decode_layer = lib.rsgl_decode_layer
+        self._decode_layer.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]
+        self._decode_layer.argtypes += [i64, i64, i64, i64, f32, i32]
         self._add_rmsnorm = lib.rsgl_add_rmsnorm
         self._add_rmsnorm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, f32, i32]
         self._silu_mul = lib.rsgl_silu_mul
         self._silu_mul.argtypes = [ptr, ptr, i64, i64, i32]
-        for fn in (self._decode, self._add_rmsnorm, self._silu_mul):
+        for fn in (self._decode, self._decode_layer, self._add_rmsnorm, self._silu_mul):
             fn.restype = None
 
     def decode_attention(
@@ -208,13 +261,9 @@ class CpuKernels:
     ) -> None:
         """q/out: [B, H, D]; buffers [N, Hkv, D]; req_to_token int32; slots/lens int64 [B]."""
         _check(q, k_buffer, v_buffer, out)
-        for t in (req_to_token, req_slots, seq_lens):
-            if not t.is_contiguous() or t.device.type != "cpu":
-                raise ValueError("CPU kernels take contiguous CPU tensors")
-        if req_to_token.dtype != torch.int32 or req_slots.dtype != torch.int64:
-            raise ValueError("decode kernel wants int32 req_to_token and int64 request slots")
-        if seq_lens.dtype != torch.int64:
-            raise ValueError("decode kernel wants int64 seq_lens")
+        _check_index(req_to_token, torch.int32)
+        _check_index(req_slots, torch.int64)
+        _check_index(seq_lens, torch.int64)
         b, h, d = q.shape
         self._decode(
             q.data_ptr(),
@@ -232,6 +281,53 @@ class CpuKernels:
             scale,
             torch.get_num_threads(),
         )
+
+    def decode_layer(
+        self,
+        qkv: torch.Tensor,
+        cis: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+        k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor,
+        req_to_token: torch.Tensor,
+        req_slots: torch.Tensor,
+        seq_lens: torch.Tensor,
+        num_heads: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """Rotary + KV store + decode attention for a decode-only batch, in one call.
+
+        qkv: [B, (H + 2 Hkv) D] (pair-interleaved q/k); cis: [B, D / 2, 2] float32 (cos, sin);
+        out_cache_loc, req_slots, seq_lens: int64 [B]. Returns [B, H * D].
+        """
+        _check(qkv, cis, k_buffer, v_buffer)
+        _check_index(req_to_token, torch.int32)
+        for t in (out_cache_loc, req_slots, seq_lens):
+            _check_index(t, torch.int64)
+        b = qkv.shape[0]
+        _, kv_heads, d = k_buffer.shape
+        if qkv.shape[1] != (num_heads + 2 * kv_heads) * d or cis.numel() != b * d:
+            raise ValueError("decode_layer: qkv / cis shapes do not match the KV buffers")
+        out = torch.empty((b, num_heads * d), dtype=qkv.dtype)
+        self._decode_layer(
+            qkv.data_ptr(),
+            cis.data_ptr(),
+            out_cache_loc.data_ptr(),
+            k_buffer.data_ptr(),
+            v_buffer.data_ptr(),
+            req_to_token.data_ptr(),
+            req_to_token.stride(0),
+            req_slots.data_ptr(),
+            seq_lens.data_ptr(),
+            out.data_ptr(),
+            b,
+            num_heads,
+            kv_heads,
+            d,
+            scale,
+            torch.get_num_threads(),
+        )
+        return out
 
     def add_rmsnorm(
         self,

@@ -59,6 +59,11 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         t, heads, kv_heads, dim = hidden.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(hidden)
+        if self.q_norm is None:
+            fused = attn.forward_decode_qkv(qkv, cis, self.layer_id, batch)
+            if fused is not None:
+                decoded: torch.Tensor = self.o_proj(fused)
+                return decoded
         v = qkv[:, self.q_size + self.kv_size :].view(t, kv_heads, dim)
         if self.q_norm is not None and self.k_norm is not None:
             q = apply_rotary(self.q_norm(qkv[:, : self.q_size].view(t, heads, dim)), cis)

@@ -55,3 +55,13 @@ class AttentionBackend(ABC):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] (rotated) -> output [T, Hq * D]."""
+
+    def forward_decode_qkv(
+        self, qkv: torch.Tensor, cis: torch.Tensor, layer_id: int, batch: ForwardBatch
+    ) -> torch.Tensor | None:
+        """Optional fused path for a decode-only batch: rotary, the KV store and attention
+        straight from the QKV projection's output ([T, (Hq + 2 Hkv) * D], pair-interleaved
+        q/k; `cis` as `RotaryEmbedding.cis` returns it). Returns [T, Hq * D], or None when
+        this backend has no such path for `batch` (the caller then rotates and calls
+        `forward`)."""
+        return None

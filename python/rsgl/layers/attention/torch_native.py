@@ -100,6 +100,26 @@ class TorchNativeAttnBackend(AttentionBackend):
             decode_mask=dec_mask,
         )
 
+    def forward_decode_qkv(
+        self, qkv: torch.Tensor, cis: torch.Tensor, layer_id: int, batch: ForwardBatch
+    ) -> torch.Tensor | None:
+        meta = batch.attn_metadata
+        assert isinstance(meta, _TorchNativeMetadata), "prepare(batch) was not called"
+        if self.decode_kernel is None or batch.num_extends or not qkv.is_contiguous():
+            return None
+        return self.decode_kernel.decode_layer(
+            qkv,
+            torch.view_as_real(cis),
+            batch.out_cache_loc,
+            self.kv_cache.k_buffers[layer_id],
+            self.kv_cache.v_buffers[layer_id],
+            self.req_to_token.req_to_token,
+            meta.decode_req_slots,
+            meta.decode_seq_lens,
+            self.num_heads,
+            self.scale,
+        )
+
     def forward(
         self,
         q: torch.Tensor,
