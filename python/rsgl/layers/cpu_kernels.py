@@ -111,10 +111,11 @@ void rsgl_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter
 
 /* Attention of one decode query (all H heads, qb) over the request's keys and values, read
    through its req_to_token row: scores for every head from one pass over the K rows, softmax,
-   then one pass over the V rows. Query head h reads kv head h / (H / Hkv). */
-static void attend_one(const float* qb, const float* kb, const float* vb, const int32_t* slots,
-                       int64_t len, int64_t H, int64_t Hkv, int64_t D, float scale,
-                       float* sc, float* ob) {
+   then one pass over the V rows. Query head h reads kv head h / (H / Hkv).
+   Always inlined, so callers passing a constant D get fully unrolled inner loops. */
+static inline __attribute__((always_inline)) void attend_impl(
+    const float* qb, const float* kb, const float* vb, const int32_t* slots, int64_t len,
+    int64_t H, int64_t Hkv, const int64_t D, float scale, float* sc, float* ob) {
     const int64_t G = H / Hkv;
     const int64_t row = Hkv * D;
     for (int64_t s = 0; s < len; s++) {
@@ -141,8 +142,8 @@ static void attend_one(const float* qb, const float* kb, const float* vb, const 
         }
         const float inv = 1.f / sum;
         for (int64_t s = 0; s < len; s++) sh[s] *= inv;
-        for (int64_t d = 0; d < D; d++) ob[h * D + d] = 0.f;
     }
+    for (int64_t i = 0; i < H * D; i++) ob[i] = 0.f;
     for (int64_t s = 0; s < len; s++) {
         if (s + PREFETCH_AHEAD < len)
             prefetch_row(vb + (int64_t)slots[s + PREFETCH_AHEAD] * row, row);
@@ -155,6 +156,17 @@ static void attend_one(const float* qb, const float* kb, const float* vb, const 
             for (int64_t d = 0; d < D; d++) oh[d] += p * vh[d];
         }
     }
+}
+
+static void attend_one(const float* qb, const float* kb, const float* vb, const int32_t* slots,
+                       int64_t len, int64_t H, int64_t Hkv, int64_t D, float scale,
+                       float* sc, float* ob) {
+    if (D == 64)
+        attend_impl(qb, kb, vb, slots, len, H, Hkv, 64, scale, sc, ob);
+    else if (D == 128)
+        attend_impl(qb, kb, vb, slots, len, H, Hkv, 128, scale, sc, ob);
+    else
+        attend_impl(qb, kb, vb, slots, len, H, Hkv, D, scale, sc, ob);
 }
 
 /* out[b, h] = softmax(q[b, h] . K[b]^T * scale) V[b] for one query per request, where the
