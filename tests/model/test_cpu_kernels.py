@@ -11,6 +11,7 @@ import rsgl.layers.norm
 import rsgl.models.llama
 from rsgl.layers.attention.torch_native import TorchNativeAttnBackend
 from rsgl.layers.cpu_kernels import CpuKernels, load_cpu_kernels
+from rsgl.layers.rotary import apply_rotary
 from rsgl.model_executor.model_runner import ModelRunner
 
 
@@ -62,18 +63,20 @@ def test_whole_model_eager_paths_match_kernel_paths(
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
 
 
-def test_decode_layer_rotates_stores_and_attends(kernels: CpuKernels) -> None:
-    from rsgl.layers.rotary import apply_rotary
-
-    gen = torch.Generator().manual_seed(2)
-    heads, kv_heads, dim, lens = 6, 2, 16, [5, 1, 9]
+@pytest.mark.parametrize("dim", [16, 64, 128])  # 64 and 128 have their own compiled paths
+def test_decode_layer_rotates_stores_and_attends(kernels: CpuKernels, dim: int) -> None:
+    gen = torch.Generator().manual_seed(dim)
+    heads, kv_heads = 6, 2
+    # 17 requests, so the threads split them; request 1 decodes its first token.
+    lens = [int(n) for n in torch.randint(1, 12, (17,), generator=gen)]
+    lens[1] = 1
     b = len(lens)
-    k_buf = torch.randn(64, kv_heads, dim, generator=gen)
-    v_buf = torch.randn(64, kv_heads, dim, generator=gen)
+    k_buf = torch.randn(256, kv_heads, dim, generator=gen)
+    v_buf = torch.randn(256, kv_heads, dim, generator=gen)
     # Each request's sequence lives in scattered slots; its last position is the new token.
-    slots = torch.randperm(63, generator=gen)[: sum(lens)] + 1
-    table = torch.zeros(4, 16, dtype=torch.int32)
-    req_slots = torch.tensor([3, 0, 2])
+    slots = torch.randperm(255, generator=gen)[: sum(lens)] + 1
+    table = torch.zeros(20, 16, dtype=torch.int32)
+    req_slots = torch.randperm(20, generator=gen)[:b]
     seq_slots = slots.split(lens)
     for row, sl in zip(req_slots.tolist(), seq_slots):
         table[row, : len(sl)] = sl.to(torch.int32)
@@ -110,3 +113,8 @@ def test_decode_layer_rotates_stores_and_attends(kernels: CpuKernels) -> None:
             enable_gqa=True,
         )
         torch.testing.assert_close(out[i].view(heads, dim), ref.squeeze(1), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="shape"):
+        kernels.decode_layer(
+            qkv, torch.view_as_real(cis), loc[:-1], k_buf, v_buf, table, req_slots,
+            torch.tensor(lens), heads, dim**-0.5,
+        )  # fmt: skip

@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 from plan_builder import Driver
 
-from rsgl.layers.linear import PackedLinear, onednn_packing_enabled, pack_linears
+from rsgl.layers.linear import PackedLinear, can_pack, pack_linears
 from rsgl.model_executor.model_runner import ModelRunner
 
 needs_onednn = pytest.mark.skipif(
-    not onednn_packing_enabled(torch.empty(1)), reason="this torch build has no oneDNN"
+    not can_pack(torch.empty(1)), reason="this torch build has no oneDNN"
 )
 
 
@@ -37,16 +37,14 @@ def test_pack_linears_swaps_only_float32_cpu_linears() -> None:
     assert isinstance(net[0], PackedLinear) and isinstance(net[2], torch.nn.Linear)
 
 
-def test_packing_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RSGL_ONEDNN", "0")
-    assert not onednn_packing_enabled(torch.empty(1))
-
-
 @needs_onednn
 def test_whole_model_packed_matches_plain_linear(
     driver: Driver, smol_runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert smol_runner.model.packed_lm_head is not None, "float32 CPU models are packed"
+    model = smol_runner.model
+    assert model.packed_lm_head is not None, "float32 CPU models are packed"
+    with pytest.raises(RuntimeError, match="load first, then pack"):
+        model.load_weights([])
     monkeypatch.setenv("RSGL_ONEDNN", "0")
     plain_runner = ModelRunner.from_pretrained(
         None, kv_buffer_size=512, max_running_requests=2, context_len=256

@@ -1,10 +1,11 @@
-"""Fused float32 CPU kernels, compiled on first use: paged decode attention, add+RMSNorm,
-SiLU-and-multiply.
+"""Fused float32 CPU kernels, compiled on first use: paged decode attention (alone, or with
+the rotary and the KV store of a decode-only layer step), add+RMSNorm, SiLU-and-multiply.
 
 Eager PyTorch has to gather every decode request's keys and values into a padded copy before
 it can attend (measured at batch 64: the gather alone costs more than a third of the model's
 matmul time per step). The decode kernel reads K/V straight from the paged buffers through
-req_to_token, once, with software prefetch for the indirect rows. The elementwise kernels
+req_to_token, once, with software prefetch for the indirect rows; `decode_layer` also
+rotates q/k and stores k/v in the same pass over each request. The elementwise kernels
 replace 4-7 small torch ops each (each op pays a thread-pool round trip at decode sizes).
 
 The source is plain C (no torch headers, so it compiles in well under a second), built with
@@ -67,11 +68,15 @@ static inline float sigmoid(float x) {
     return x > 0.f ? 1.f / (1.f + e) : e / (1.f + e);
 }
 
+/* The elementwise kernels split rows over threads above this many elements (~150 KB per
+   operand): below it the fork/join costs more than it saves. */
+#define PARALLEL_MIN_ELEMS 32768
+
 /* residual_out = x + residual (when residual is given, else x); out = rmsnorm(that) * w. */
 void rsgl_add_rmsnorm(const float* x, const float* residual, float* residual_out,
                       const float* w, float* out, int64_t rows, int64_t dim, float eps,
                       int nthreads) {
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * dim > 32768)
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * dim > PARALLEL_MIN_ELEMS)
     for (int64_t r = 0; r < rows; r++) {
         const float* xr = x + r * dim;
         float* hr = residual_out + r * dim;
@@ -99,7 +104,7 @@ void rsgl_add_rmsnorm(const float* x, const float* residual, float* residual_out
 /* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i] */
 void rsgl_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter,
                    int nthreads) {
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * inter > 32768)
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * inter > PARALLEL_MIN_ELEMS)
     for (int64_t r = 0; r < rows; r++) {
         const float* g = gate_up + r * 2 * inter;
         const float* u = g + inter;
@@ -314,9 +319,11 @@ class CpuKernels:
         """
         _check(qkv, cis, k_buffer, v_buffer)
         _check_index(req_to_token, torch.int32)
+        b = qkv.shape[0]
         for t in (out_cache_loc, req_slots, seq_lens):
             _check_index(t, torch.int64)
-        b = qkv.shape[0]
+            if t.shape != (b,):
+                raise ValueError(f"decode_layer: index tensors must have shape ({b},)")
         _, kv_heads, d = k_buffer.shape
         if qkv.shape[1] != (num_heads + 2 * kv_heads) * d or cis.numel() != b * d:
             raise ValueError("decode_layer: qkv / cis shapes do not match the KV buffers")

@@ -9,31 +9,33 @@ results match `F.linear` to rounding (the reduction order differs).
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
 
-def onednn_packing_enabled(weight: torch.Tensor) -> bool:
-    """Whether `weight` can be packed: float32 on a CPU build with oneDNN, unless
-    RSGL_ONEDNN=0 (which keeps plain `F.linear`, e.g. to compare the two)."""
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether `weight` can be packed: float32 on CPU, with a torch build that has oneDNN."""
     return (
-        os.environ.get("RSGL_ONEDNN", "1") != "0"
-        and weight.device.type == "cpu"
+        weight.device.type == "cpu"
         and weight.dtype == torch.float32
         and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
     )
 
 
 class PackedLinear(nn.Module):
-    """`y = x @ W.T + b` with W held in oneDNN's blocked layout (an opaque mkldnn tensor)."""
+    """`y = x @ W.T + b` with W held in oneDNN's blocked layout (an opaque mkldnn tensor).
+
+    The packed weight is a plain attribute, not a parameter: `.to()` and `state_dict()` do
+    not know the layout, so packing is the last step of loading a model.
+    """
+
+    bias: torch.Tensor | None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
-        self.bias = None if bias is None else bias.detach().contiguous()
+        self.register_buffer("bias", None if bias is None else bias.detach().contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 0:
@@ -48,7 +50,7 @@ def pack_linears(module: nn.Module) -> int:
     """Replace every `nn.Linear` under `module` by a `PackedLinear`; returns how many."""
     count = 0
     for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear) and onednn_packing_enabled(child.weight):
+        if isinstance(child, nn.Linear) and can_pack(child.weight):
             setattr(module, name, PackedLinear(child.weight, child.bias))
             count += 1
         else:
@@ -56,4 +58,4 @@ def pack_linears(module: nn.Module) -> int:
     return count
 
 
-__all__ = ["PackedLinear", "onednn_packing_enabled", "pack_linears"]
+__all__ = ["PackedLinear", "can_pack", "pack_linears"]

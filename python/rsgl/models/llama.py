@@ -10,7 +10,7 @@ from torch import nn
 
 from rsgl.layers.attention.base import AttentionBackend
 from rsgl.layers.cpu_kernels import load_cpu_kernels
-from rsgl.layers.linear import PackedLinear, onednn_packing_enabled, pack_linears
+from rsgl.layers.linear import PackedLinear, can_pack, pack_linears
 from rsgl.layers.norm import RMSNorm
 from rsgl.layers.rotary import RotaryEmbedding, apply_rotary, interleave_rotary_pairs
 from rsgl.model_executor.forward_batch import ForwardBatch
@@ -158,8 +158,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: nn.Linear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        # Set by pack_cpu_weights: the LM head in oneDNN's layout (the embedding, when tied,
-        # keeps its plain copy for lookups).
+        # Set by pack_cpu_weights: the LM head in oneDNN's layout. It replaces an untied head;
+        # a tied one is also the embedding, whose plain copy stays for lookups.
         self.packed_lm_head: PackedLinear | None = None
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope)
 
@@ -168,9 +168,11 @@ class LlamaForCausalLM(nn.Module):
         return [layer for layer in self.model.layers if isinstance(layer, LlamaDecoderLayer)]
 
     def lm_head_weight(self) -> torch.Tensor:
-        """The LM head matrix (the embedding when tied)."""
-        if self.lm_head is None:
+        """The plain LM head matrix (the embedding when tied)."""
+        if self.config.tie_word_embeddings:
             return self.model.embed_tokens.weight
+        if self.lm_head is None:
+            raise RuntimeError("the LM head was packed for oneDNN; use compute_logits")
         return self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -182,11 +184,12 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_cpu_weights(self) -> bool:
         """Reorder every projection and the LM head into oneDNN's layout (float32 CPU only;
-        see rsgl.layers.linear). Call once, after the weights are loaded."""
-        if not onednn_packing_enabled(self.lm_head_weight()):
+        see rsgl.layers.linear). The last step of loading: `load_weights` refuses after it."""
+        if self.packed_lm_head is not None or not can_pack(self.model.embed_tokens.weight):
             return False
         pack_linears(self.model)
         self.packed_lm_head = PackedLinear(self.lm_head_weight(), None)
+        self.lm_head = None
         return True
 
     def forward(
@@ -210,12 +213,14 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named checkpoint tensors into the (fused) parameters; checks completeness."""
+        if self.packed_lm_head is not None:
+            raise RuntimeError("load_weights after pack_cpu_weights: load first, then pack")
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue
-            if name == "lm_head.weight" and self.lm_head is None:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied: the embedding is the LM head
             if any(p in name for p in _PAIR_INTERLEAVED):
                 tensor = interleave_rotary_pairs(tensor, self.config.head_dim)

@@ -157,11 +157,16 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
     max_positions: int | None = None,
+    pack_weights: bool | None = None,
 ) -> LoadedModel:
     """Load a model directory, a GGUF file, or (None) the embedded SmolLM2 default.
 
     `max_positions` bounds the rotary tables (default: the model's max_position_embeddings).
+    `pack_weights` reorders float32 CPU projections for oneDNN (rsgl.layers.linear); by
+    default on, unless the environment sets RSGL_ONEDNN=0 (to compare with `F.linear`).
     """
+    if pack_weights is None:
+        pack_weights = os.environ.get("RSGL_ONEDNN", "1") != "0"
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     model_dir = resolve_model_dir(model)
@@ -177,7 +182,8 @@ def load_model(
     # Non-persistent buffers came out of to_empty uninitialised; rebuild them for real.
     net.rotary = type(net.rotary)(config.head_dim, positions, config.rope).to(device)
     net.eval()
-    net.pack_cpu_weights()
+    if pack_weights:
+        net.pack_cpu_weights()
     return LoadedModel(net, config, model_dir, dtype, device)
 
 

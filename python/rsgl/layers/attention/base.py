@@ -15,7 +15,8 @@ class AttentionBackend(ABC):
 
     Per step the runner calls `prepare(batch)` once, which computes whatever every layer
     shares (index tables, masks, kernel plans) and stores it in `batch.attn_metadata`; each
-    layer then calls `forward`, which writes the step's new keys/values into the KV cache at
+    layer then calls `forward` (or, for decode-only batches, may first try the fused
+    `forward_decode_qkv`), which writes the step's new keys/values into the KV cache at
     `batch.out_cache_loc` and returns the attention output. Keys and values are read only
     through `req_to_token`, so a request's cached prefix may live in any slots, shared with
     other requests.

@@ -80,6 +80,8 @@ class TorchNativeAttnBackend(AttentionBackend):
             extends.append(_ExtendReq(starts[i], extend, seq_index, mask))
 
         nd = batch.num_decodes
+        if nd and self.decode_kernel is not None:
+            self._check_decode_bounds(batch)
         dec_slots = batch.req_slots[batch.batch_size - nd :].contiguous()
         dec_lens = batch.seq_lens[batch.batch_size - nd :].contiguous()
         dec_index: torch.Tensor | None = None
@@ -100,12 +102,29 @@ class TorchNativeAttnBackend(AttentionBackend):
             decode_mask=dec_mask,
         )
 
+    def _check_decode_bounds(self, batch: ForwardBatch) -> None:
+        """The C kernel indexes raw memory: refuse slots outside the buffers, once per step."""
+        table = self.req_to_token.req_to_token
+        loc = batch.out_cache_loc
+        if loc.numel() and (int(loc.min()) < 0 or int(loc.max()) >= self.kv_cache.size):
+            raise IndexError(f"out_cache_loc outside the KV cache of {self.kv_cache.size} slots")
+        slots, lens = batch.req_slots, batch.seq_lens_host
+        if int(slots.min()) < 0 or int(slots.max()) >= table.shape[0]:
+            raise IndexError(f"request slot outside req_to_token's {table.shape[0]} rows")
+        if int(lens.min()) < 1 or int(lens.max()) > table.shape[1]:
+            raise IndexError(f"sequence length outside 1..{table.shape[1]}")
+
     def forward_decode_qkv(
         self, qkv: torch.Tensor, cis: torch.Tensor, layer_id: int, batch: ForwardBatch
     ) -> torch.Tensor | None:
         meta = batch.attn_metadata
         assert isinstance(meta, _TorchNativeMetadata), "prepare(batch) was not called"
-        if self.decode_kernel is None or batch.num_extends or not qkv.is_contiguous():
+        if (
+            self.decode_kernel is None
+            or batch.num_extends
+            or qkv.dtype != torch.float32
+            or not qkv.is_contiguous()
+        ):
             return None
         return self.decode_kernel.decode_layer(
             qkv,
