@@ -118,3 +118,26 @@ def test_decode_layer_rotates_stores_and_attends(kernels: CpuKernels, dim: int) 
             qkv, torch.view_as_real(cis), loc[:-1], k_buf, v_buf, table, req_slots,
             torch.tensor(lens), heads, dim**-0.5,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("loc", "slot", "seq_len", "what"),
+    [(10**9, 0, 5, "out_cache_loc"), (7, 99, 5, "request slot"), (7, 0, 10**6, "sequence length")],
+)
+def test_decode_bounds_are_checked_before_the_kernel_runs(
+    smol_runner: ModelRunner, kernels: CpuKernels, loc: int, slot: int, seq_len: int, what: str
+) -> None:
+    from rsgl.model_executor.forward_batch import ForwardBatch
+
+    backend = smol_runner.attn
+    assert isinstance(backend, TorchNativeAttnBackend) and backend.decode_kernel is not None
+    batch = ForwardBatch.from_arrays(
+        forward_mode="decode",
+        req_slots=np.array([slot]),
+        prefix_lens=np.array([seq_len - 1]),
+        extend_lens=np.array([1]),
+        input_ids=np.array([5]),
+        out_cache_loc=np.array([loc]),
+    )
+    with pytest.raises(IndexError, match=what):
+        backend.prepare(batch)

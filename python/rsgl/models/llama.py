@@ -182,15 +182,14 @@ class LlamaForCausalLM(nn.Module):
             return logits
         return F.linear(hidden, self.lm_head_weight())
 
-    def pack_cpu_weights(self) -> bool:
+    def pack_cpu_weights(self) -> None:
         """Reorder every projection and the LM head into oneDNN's layout (float32 CPU only;
         see rsgl.layers.linear). The last step of loading: `load_weights` refuses after it."""
         if self.packed_lm_head is not None or not can_pack(self.model.embed_tokens.weight):
-            return False
+            return
         pack_linears(self.model)
         self.packed_lm_head = PackedLinear(self.lm_head_weight(), None)
         self.lm_head = None
-        return True
 
     def forward(
         self,
