@@ -22,7 +22,7 @@ import torch
 
 from rsgl._core import Scheduler
 from rsgl.layers.sampling_params import SamplingParams
-from rsgl.model_executor.kv_cache import KVCache
+from rsgl.model_executor.kv_cache import KVCache, resolve_kv_cache_dtype
 from rsgl.model_executor.model_runner import ModelRunner
 from rsgl.scheduler.loop import SchedulerLoop
 
@@ -44,6 +44,7 @@ class EngineArgs:
     tokenizer_path: str | None = None
     device: str = "cpu"
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     context_length: int | None = None
     mem_fraction: float | None = None
     max_total_tokens: int | None = None
@@ -60,6 +61,7 @@ class EngineArgs:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)  # ValueError names it
         if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:
             raise ValueError(f"mem_fraction must be in (0, 1), got {self.mem_fraction}")
         for name in ("max_running_requests", "max_prefill_tokens", "page_size"):
@@ -150,6 +152,7 @@ def build_stack(args: EngineArgs) -> ModelStack:
         max_running_requests=args.max_running_requests,
         context_len=context_length,
         attention_backend=args.attention_backend,
+        kv_cache_dtype=args.kv_cache_dtype,
         seed=args.seed,
     )
     return ModelStack(tokenizer, core, runner, context_length, max_total_tokens)
@@ -157,7 +160,8 @@ def build_stack(args: EngineArgs) -> ModelStack:
 
 def _pool_tokens(args: EngineArgs, loaded: Any) -> int:
     """KV pool size: `mem_fraction` of the device's memory (default share, capped)."""
-    per_token = KVCache.bytes_per_slot(loaded.config, loaded.dtype)
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, loaded.dtype)
+    per_token = KVCache.bytes_per_slot(loaded.config, kv_dtype)
     if args.device == "cpu":
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     else:
@@ -431,6 +435,7 @@ class Engine:
             context_length=self.context_length,
             max_total_tokens=self.max_total_tokens,
             kv_buffer_size=self.core.kv_buffer_size,
+            kv_cache_storage_dtype=str(self.runner.kv_cache.dtype).removeprefix("torch."),
             model_dir=str(self.runner.loaded.model_dir),
             stats=self.core.stats(),
             steps=self._loop.steps,

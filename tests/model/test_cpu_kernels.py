@@ -63,16 +63,30 @@ def test_whole_model_eager_paths_match_kernel_paths(
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("dim", [16, 64, 128])  # 64 and 128 have their own compiled paths
-def test_decode_layer_rotates_stores_and_attends(kernels: CpuKernels, dim: int) -> None:
+# 64 and 128 have their own compiled paths; 16-bit caches are widened as they are read.
+@pytest.mark.parametrize(
+    ("dim", "kv_dtype"),
+    [
+        (16, torch.float32),
+        (64, torch.float32),
+        (128, torch.float32),
+        (64, torch.float16),
+        (64, torch.bfloat16),
+        (128, torch.bfloat16),
+        (48, torch.float16),
+    ],
+)
+def test_decode_layer_rotates_stores_and_attends(
+    kernels: CpuKernels, dim: int, kv_dtype: torch.dtype
+) -> None:
     gen = torch.Generator().manual_seed(dim)
     heads, kv_heads = 6, 2
     # 17 requests, so the threads split them; request 1 decodes its first token.
     lens = [int(n) for n in torch.randint(1, 12, (17,), generator=gen)]
     lens[1] = 1
     b = len(lens)
-    k_buf = torch.randn(256, kv_heads, dim, generator=gen)
-    v_buf = torch.randn(256, kv_heads, dim, generator=gen)
+    k_buf = torch.randn(256, kv_heads, dim, generator=gen).to(kv_dtype)
+    v_buf = torch.randn(256, kv_heads, dim, generator=gen).to(kv_dtype)
     # Each request's sequence lives in scattered slots; its last position is the new token.
     slots = torch.randperm(255, generator=gen)[: sum(lens)] + 1
     table = torch.zeros(20, 16, dtype=torch.int32)
@@ -101,15 +115,17 @@ def test_decode_layer_rotates_stores_and_attends(kernels: CpuKernels, dim: int) 
 
     q = apply_rotary(qkv[:, : heads * dim].view(b, heads, dim), cis)
     k_new = apply_rotary(qkv[:, heads * dim : (heads + kv_heads) * dim].view(b, kv_heads, dim), cis)
-    k_ref[loc] = k_new
-    v_ref[loc] = qkv[:, (heads + kv_heads) * dim :].view(b, kv_heads, dim)
-    torch.testing.assert_close(k_buf, k_ref, atol=1e-6, rtol=1e-6)
+    k_ref[loc] = k_new.to(kv_dtype)
+    v_ref[loc] = qkv[:, (heads + kv_heads) * dim :].view(b, kv_heads, dim).to(kv_dtype)
+    # Stored keys are rounded as torch rounds (the rotation's last float bit may differ).
+    ulp = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[kv_dtype]
+    torch.testing.assert_close(k_buf.float(), k_ref.float(), atol=ulp, rtol=ulp)
     torch.testing.assert_close(v_buf, v_ref, atol=0, rtol=0)
     for i, sl in enumerate(seq_slots):
         ref = torch.nn.functional.scaled_dot_product_attention(
             q[i].unsqueeze(1),
-            k_ref[sl].transpose(0, 1),
-            v_ref[sl].transpose(0, 1),
+            k_buf[sl].float().transpose(0, 1),
+            v_buf[sl].float().transpose(0, 1),
             enable_gqa=True,
         )
         torch.testing.assert_close(out[i].view(heads, dim), ref.squeeze(1), atol=1e-5, rtol=1e-5)

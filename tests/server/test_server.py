@@ -291,3 +291,13 @@ def test_queue_limit_answers_503_and_a_dying_scheduler_takes_the_server_down(
         if proc.poll() is None:
             proc.kill()
     assert "the scheduler process exited unexpectedly" in log_path.read_text()
+
+
+def test_cli_engine_flags_reach_the_engine_args() -> None:
+    from rsgl.server.launch import build_parser, engine_args
+
+    ns = build_parser().parse_args(["--kv-cache-dtype", "bf16", "--page-size", "16"])
+    args = engine_args(ns)
+    assert (args.kv_cache_dtype, args.page_size) == ("bf16", 16)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--kv-cache-dtype", "int4"])

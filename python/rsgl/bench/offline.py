@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from rsgl.model_executor.kv_cache import KV_CACHE_DTYPES
+
 
 def make_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
     rng = np.random.default_rng(args.seed)
@@ -104,6 +106,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--skip-no-overlap", action="store_true")
     parser.add_argument("--hf-batch-sizes", default="32,64")
     parser.add_argument("--max-running-requests", type=int, default=256)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
     args = parser.parse_args(argv)
 
     from rsgl.models.loader import load_model
@@ -112,7 +115,11 @@ def main(argv: list[str]) -> int:
     prompts = make_prompts(args, loaded.config.vocab_size)
     model_dir = str(loaded.model_dir)
     del loaded
-    engine = {"model_path": args.model_path, "max_running_requests": args.max_running_requests}
+    engine = {
+        "model_path": args.model_path,
+        "max_running_requests": args.max_running_requests,
+        "kv_cache_dtype": args.kv_cache_dtype,
+    }
     result: dict[str, Any] = {
         "dataset": args.dataset,
         "num_prompts": len(prompts),

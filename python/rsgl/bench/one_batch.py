@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from rsgl.layers.sampling_params import SamplingParams
+from rsgl.model_executor.kv_cache import KV_CACHE_DTYPES
 from rsgl.model_executor.model_runner import ModelRunner
 from rsgl.models.llama import LlamaForCausalLM
 
@@ -124,6 +125,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         context_len=capacity + 1,
         device=args.device,
         attention_backend=args.attention_backend,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     greedy = SamplingParams(temperature=0.0, max_new_tokens=output_len, ignore_eos=True)
     rng = np.random.default_rng(args.seed)
@@ -173,6 +175,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "threads": torch.get_num_threads(),
         "attention_backend": args.attention_backend,
         "cpu_kernels": getattr(backend, "decode_kernel", None) is not None,
+        "kv_cache_dtype": str(runner.kv_cache.dtype).removeprefix("torch."),
         "prefill_s": round(prefill_s, 3),
         "prefill_tok_s": round(batch * input_len / prefill_s, 1),
         "decode_s": round(decode_s, 3),
@@ -198,6 +201,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--attention-backend", default="torch_native")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

@@ -23,7 +23,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,13 +36,16 @@ _SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 /* Rows this many positions ahead are prefetched: KV slots are indirect, so the hardware
    prefetcher cannot follow them when the core's allocator scattered a request's pages. */
 #define PREFETCH_AHEAD 4
 
-static inline void prefetch_row(const float* p, int64_t n) {
-    for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i);
+static inline void prefetch_bytes(const void* p, int64_t n) {
+    for (int64_t i = 0; i < n; i += 64) __builtin_prefetch((const char*)p + i);
 }
 
 /* exp(x) for x <= 0: range reduction to [-ln2/2, ln2/2], a degree-6 polynomial (Cephes
@@ -114,26 +119,77 @@ void rsgl_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter
     }
 }
 
+/* A KV row as floats: float32 rows are used in place; 16-bit rows are widened into tmp
+   (n floats), so the attention loops run on floats whatever the cache stores. */
+static inline const float* widen_f32(const float* src, float* tmp, int64_t n) {
+    (void)tmp;
+    (void)n;
+    return src;
+}
+
+static inline const float* widen_f16(const _Float16* src, float* tmp, int64_t n) {
+    int64_t i = 0;
+#if defined(__F16C__)
+    /* GCC 12 cannot vectorize _Float16 -> float without AVX512-FP16; F16C can. */
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(tmp + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + i))));
+#endif
+    for (; i < n; i++) tmp[i] = (float)src[i];
+    return tmp;
+}
+
+/* bfloat16 is the top half of a float32: widening is a shift; narrowing rounds to nearest
+   even (as torch's .to(torch.bfloat16) does) and keeps NaN a quiet NaN. */
+static inline const float* widen_bf16(const uint16_t* src, float* tmp, int64_t n) {
+    uint32_t* out = (uint32_t*)tmp;
+    #pragma omp simd
+    for (int64_t i = 0; i < n; i++) out[i] = (uint32_t)src[i] << 16;
+    return tmp;
+}
+
+static inline void bf16_store(uint16_t* p, int64_t i, float x) {
+    union { float f; uint32_t u; } c;
+    c.f = x;
+    if ((c.u & 0x7fffffffu) > 0x7f800000u)
+        p[i] = (uint16_t)((c.u >> 16) | 0x40u);
+    else
+        p[i] = (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+}
+
+/* FN(name) pastes the KV element suffix onto a name: rsgl_decode_layer_f16, ... */
+#define FN_PASTE(name, suffix) name##_##suffix
+#define FN_EXPAND(name, suffix) FN_PASTE(name, suffix)
+#define FN(name) FN_EXPAND(name, KV_SUFFIX)
+"""
+
+# The attention kernels, written once over the KV element type KV_T and instantiated for
+# each KV cache dtype (see _KV_TYPES).
+_KV_SOURCE = r"""
 /* Attention of one decode query (all H heads, qb) over the request's keys and values, read
    through its req_to_token row: scores for every head from one pass over the K rows, softmax,
-   then one pass over the V rows. Query head h reads kv head h / (H / Hkv).
+   then one pass over the V rows. Query heads jG .. jG + G - 1 read kv head j (G = H / Hkv). K/V elements are
+   KV_T, read as floats through FN(widen).
    Always inlined, so callers passing a constant D get fully unrolled inner loops. */
-static inline __attribute__((always_inline)) void attend_impl(
-    const float* qb, const float* kb, const float* vb, const int32_t* slots, int64_t len,
-    int64_t H, int64_t Hkv, const int64_t D, float scale, float* sc, float* ob) {
+static inline __attribute__((always_inline)) void FN(attend_impl)(
+    const float* qb, const KV_T* kb, const KV_T* vb, const int32_t* slots, int64_t len,
+    int64_t H, int64_t Hkv, const int64_t D, float scale, float* sc, float* row_tmp,
+    float* ob) {
     const int64_t G = H / Hkv;
     const int64_t row = Hkv * D;
+    const int64_t row_bytes = row * (int64_t)sizeof(KV_T);
     for (int64_t s = 0; s < len; s++) {
         if (s + PREFETCH_AHEAD < len)
-            prefetch_row(kb + (int64_t)slots[s + PREFETCH_AHEAD] * row, row);
-        const float* k = kb + (int64_t)slots[s] * row;
-        for (int64_t h = 0; h < H; h++) {
-            const float* kh = k + (h / G) * D;
-            const float* qh = qb + h * D;
-            float acc = 0.f;
-            #pragma omp simd reduction(+ : acc)
-            for (int64_t d = 0; d < D; d++) acc += qh[d] * kh[d];
-            sc[h * len + s] = acc * scale;
+            prefetch_bytes(kb + (int64_t)slots[s + PREFETCH_AHEAD] * row, row_bytes);
+        const float* k = FN(widen)(kb + (int64_t)slots[s] * row, row_tmp, row);
+        for (int64_t j = 0; j < Hkv; j++) {
+            const float* kh = k + j * D;
+            for (int64_t h = j * G; h < (j + 1) * G; h++) {
+                const float* qh = qb + h * D;
+                float acc = 0.f;
+                #pragma omp simd reduction(+ : acc)
+                for (int64_t d = 0; d < D; d++) acc += qh[d] * kh[d];
+                sc[h * len + s] = acc * scale;
+            }
         }
     }
     for (int64_t h = 0; h < H; h++) {
@@ -151,53 +207,56 @@ static inline __attribute__((always_inline)) void attend_impl(
     for (int64_t i = 0; i < H * D; i++) ob[i] = 0.f;
     for (int64_t s = 0; s < len; s++) {
         if (s + PREFETCH_AHEAD < len)
-            prefetch_row(vb + (int64_t)slots[s + PREFETCH_AHEAD] * row, row);
-        const float* v = vb + (int64_t)slots[s] * row;
-        for (int64_t h = 0; h < H; h++) {
-            const float* vh = v + (h / G) * D;
-            float* oh = ob + h * D;
-            const float p = sc[h * len + s];
-            #pragma omp simd
-            for (int64_t d = 0; d < D; d++) oh[d] += p * vh[d];
+            prefetch_bytes(vb + (int64_t)slots[s + PREFETCH_AHEAD] * row, row_bytes);
+        const float* v = FN(widen)(vb + (int64_t)slots[s] * row, row_tmp, row);
+        for (int64_t j = 0; j < Hkv; j++) {
+            const float* vh = v + j * D;
+            for (int64_t h = j * G; h < (j + 1) * G; h++) {
+                float* oh = ob + h * D;
+                const float p = sc[h * len + s];
+                #pragma omp simd
+                for (int64_t d = 0; d < D; d++) oh[d] += p * vh[d];
+            }
         }
     }
 }
 
-static void attend_one(const float* qb, const float* kb, const float* vb, const int32_t* slots,
-                       int64_t len, int64_t H, int64_t Hkv, int64_t D, float scale,
-                       float* sc, float* ob) {
+/* sc: len * H scores, row_tmp: Hkv * D floats of scratch. */
+static void FN(attend_one)(const float* qb, const KV_T* kb, const KV_T* vb,
+                           const int32_t* slots, int64_t len, int64_t H, int64_t Hkv, int64_t D,
+                           float scale, float* sc, float* row_tmp, float* ob) {
     if (D == 64)
-        attend_impl(qb, kb, vb, slots, len, H, Hkv, 64, scale, sc, ob);
+        FN(attend_impl)(qb, kb, vb, slots, len, H, Hkv, 64, scale, sc, row_tmp, ob);
     else if (D == 128)
-        attend_impl(qb, kb, vb, slots, len, H, Hkv, 128, scale, sc, ob);
+        FN(attend_impl)(qb, kb, vb, slots, len, H, Hkv, 128, scale, sc, row_tmp, ob);
     else
-        attend_impl(qb, kb, vb, slots, len, H, Hkv, D, scale, sc, ob);
+        FN(attend_impl)(qb, kb, vb, slots, len, H, Hkv, D, scale, sc, row_tmp, ob);
 }
 
 /* out[b, h] = softmax(q[b, h] . K[b]^T * scale) V[b] for one query per request, where the
    keys of request b are the rows kb[req_to_token[req_slots[b], 0:seq_lens[b]]]. One request
    per work item. */
-void rsgl_decode_attention(
-    const float* q, const float* kb, const float* vb, const int32_t* req_to_token,
+void FN(rsgl_decode_attention)(
+    const float* q, const KV_T* kb, const KV_T* vb, const int32_t* req_to_token,
     int64_t r2t_stride, const int64_t* req_slots, const int64_t* seq_lens, float* out,
     int64_t B, int64_t H, int64_t Hkv, int64_t D, float scale, int nthreads) {
     #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t b = 0; b < B; b++) {
         const int64_t len = seq_lens[b];
-        float* sc = (float*)malloc(sizeof(float) * (size_t)(len * H));
-        attend_one(q + b * H * D, kb, vb, req_to_token + req_slots[b] * r2t_stride, len, H, Hkv,
-                   D, scale, sc, out + b * H * D);
+        float* sc = (float*)malloc(sizeof(float) * (size_t)(len * H + Hkv * D));
+        FN(attend_one)(q + b * H * D, kb, vb, req_to_token + req_slots[b] * r2t_stride, len, H,
+                       Hkv, D, scale, sc, sc + len * H, out + b * H * D);
         free(sc);
     }
 }
 
 /* A decode-only layer step after the QKV projection, per request b: rotate q and k of row b
    of qkv ([B, (H + 2 Hkv) D], pair-interleaved rotary layout) by cis[b] ([D / 2] (cos, sin)
-   pairs), store the rotated k and v at KV slot loc[b], then attend as rsgl_decode_attention.
-   Request b's own key is among those it reads (req_to_token already maps position
-   seq_lens[b] - 1 to loc[b]); other requests never read row loc[b]. */
-void rsgl_decode_layer(
-    const float* qkv, const float* cis, const int64_t* loc, float* kb, float* vb,
+   pairs), store the rotated k and v at KV slot loc[b] (rounded to KV_T), then attend as
+   rsgl_decode_attention. Request b's own key is among those it reads (req_to_token already
+   maps position seq_lens[b] - 1 to loc[b]); other requests never read row loc[b]. */
+void FN(rsgl_decode_layer)(
+    const float* qkv, const float* cis, const int64_t* loc, KV_T* kb, KV_T* vb,
     const int32_t* req_to_token, int64_t r2t_stride, const int64_t* req_slots,
     const int64_t* seq_lens, float* out, int64_t B, int64_t H, int64_t Hkv, int64_t D,
     float scale, int nthreads) {
@@ -208,12 +267,12 @@ void rsgl_decode_layer(
         const int64_t len = seq_lens[b];
         const float* x = qkv + b * width;
         const float* cs = cis + b * D;
-        float* q = (float*)malloc(sizeof(float) * (size_t)(H * D + len * H));
+        float* q = (float*)malloc(sizeof(float) * (size_t)(H * D + len * H + row));
         float* sc = q + H * D;
-        float* k = kb + loc[b] * row;
-        for (int64_t h = 0; h < H + Hkv; h++) {
+        KV_T* k = kb + loc[b] * row;
+        for (int64_t h = 0; h < H; h++) {
             const float* xh = x + h * D;
-            float* dst = h < H ? q + h * D : k + (h - H) * D;
+            float* dst = q + h * D;
             for (int64_t i = 0; i < D / 2; i++) {
                 const float c = cs[2 * i], s = cs[2 * i + 1];
                 const float x0 = xh[2 * i], x1 = xh[2 * i + 1];
@@ -221,15 +280,55 @@ void rsgl_decode_layer(
                 dst[2 * i + 1] = x0 * s + x1 * c;
             }
         }
+        for (int64_t h = 0; h < Hkv; h++) {
+            const float* xh = x + (H + h) * D;
+            KV_T* dst = k + h * D;
+            for (int64_t i = 0; i < D / 2; i++) {
+                const float c = cs[2 * i], s = cs[2 * i + 1];
+                const float x0 = xh[2 * i], x1 = xh[2 * i + 1];
+                KV_STORE(dst, 2 * i, x0 * c - x1 * s);
+                KV_STORE(dst, 2 * i + 1, x0 * s + x1 * c);
+            }
+        }
         const float* v = x + (H + Hkv) * D;
-        float* vdst = vb + loc[b] * row;
-        for (int64_t i = 0; i < row; i++) vdst[i] = v[i];
-        attend_one(q, kb, vb, req_to_token + req_slots[b] * r2t_stride, len, H, Hkv, D, scale,
-                   sc, out + b * H * D);
+        KV_T* vdst = vb + loc[b] * row;
+        for (int64_t i = 0; i < row; i++) KV_STORE(vdst, i, v[i]);
+        FN(attend_one)(q, kb, vb, req_to_token + req_slots[b] * r2t_stride, len, H, Hkv, D,
+                       scale, sc, sc + len * H, out + b * H * D);
         free(q);
     }
 }
 """
+
+
+@dataclass(frozen=True, slots=True)
+class _KvType:
+    """How the C source spells one KV cache element type."""
+
+    c_type: str
+    suffix: str
+    store: str  # KV_STORE(p, i, x): element i of p = x, rounded to nearest even
+
+
+_KV_TYPES: dict[torch.dtype, _KvType] = {
+    torch.float32: _KvType("float", "f32", "((p)[i] = (x))"),
+    torch.float16: _KvType("_Float16", "f16", "((p)[i] = (_Float16)(x))"),
+    torch.bfloat16: _KvType("uint16_t", "bf16", "bf16_store(p, i, x)"),
+}
+KERNEL_KV_DTYPES = tuple(_KV_TYPES)
+
+
+def _full_source() -> str:
+    parts = [_SOURCE]
+    for kv in _KV_TYPES.values():
+        parts.append(
+            f"#define KV_T {kv.c_type}\n#define KV_SUFFIX {kv.suffix}\n"
+            f"#define KV_STORE(p, i, x) {kv.store}\n"
+        )
+        parts.append(_KV_SOURCE)
+        parts.append("#undef KV_T\n#undef KV_SUFFIX\n#undef KV_STORE\n")
+    return "".join(parts)
+
 
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC"]
 
@@ -238,6 +337,15 @@ def _check(*tensors: torch.Tensor) -> None:
     for t in tensors:
         if not t.is_contiguous() or t.device.type != "cpu" or t.dtype != torch.float32:
             raise ValueError("CPU kernels take contiguous float32 CPU tensors")
+
+
+def _check_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> None:
+    for t in (k_buffer, v_buffer):
+        if not t.is_contiguous() or t.device.type != "cpu" or t.dtype != k_buffer.dtype:
+            raise ValueError("the K and V buffers must be contiguous CPU tensors of one dtype")
+    if k_buffer.dtype not in _KV_TYPES:
+        supported = ", ".join(str(d) for d in _KV_TYPES)
+        raise ValueError(f"KV buffers of {k_buffer.dtype}: the kernels take {supported}")
 
 
 def _check_index(t: torch.Tensor, dtype: torch.dtype) -> None:
@@ -252,18 +360,23 @@ class CpuKernels:
         self.library = library
         lib = ctypes.CDLL(str(library))
         ptr, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-        self._decode = lib.rsgl_decode_attention
-        self._decode.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
-        self._decode.argtypes += [f32, i32]
-        self._decode_layer = lib.rsgl_decode_layer
-        self._decode_layer.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]
-        self._decode_layer.argtypes += [i64, i64, i64, i64, f32, i32]
+        # Per KV cache dtype: the attention kernels instantiated for its element type.
+        self._decode: dict[torch.dtype, Any] = {}
+        self._decode_layer: dict[torch.dtype, Any] = {}
+        for dtype, kv in _KV_TYPES.items():
+            decode = getattr(lib, f"rsgl_decode_attention_{kv.suffix}")
+            decode.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, f32, i32]
+            layer = getattr(lib, f"rsgl_decode_layer_{kv.suffix}")
+            layer.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]
+            layer.argtypes += [i64, i64, i64, i64, f32, i32]
+            self._decode[dtype], self._decode_layer[dtype] = decode, layer
         self._add_rmsnorm = lib.rsgl_add_rmsnorm
         self._add_rmsnorm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, f32, i32]
         self._silu_mul = lib.rsgl_silu_mul
         self._silu_mul.argtypes = [ptr, ptr, i64, i64, i32]
-        for fn in (self._decode, self._decode_layer, self._add_rmsnorm, self._silu_mul):
+        for fn in (*self._decode.values(), *self._decode_layer.values()):
             fn.restype = None
+        self._add_rmsnorm.restype = self._silu_mul.restype = None
 
     def decode_attention(
         self,
@@ -276,13 +389,15 @@ class CpuKernels:
         out: torch.Tensor,
         scale: float,
     ) -> None:
-        """q/out: [B, H, D]; buffers [N, Hkv, D]; req_to_token int32; slots/lens int64 [B]."""
-        _check(q, k_buffer, v_buffer, out)
+        """q/out: [B, H, D] float32; buffers [N, Hkv, D] of a KV dtype (float32, float16,
+        bfloat16); req_to_token int32; slots/lens int64 [B]."""
+        _check(q, out)
+        _check_kv(k_buffer, v_buffer)
         _check_index(req_to_token, torch.int32)
         _check_index(req_slots, torch.int64)
         _check_index(seq_lens, torch.int64)
         b, h, d = q.shape
-        self._decode(
+        self._decode[k_buffer.dtype](
             q.data_ptr(),
             k_buffer.data_ptr(),
             v_buffer.data_ptr(),
@@ -317,7 +432,8 @@ class CpuKernels:
         qkv: [B, (H + 2 Hkv) D] (pair-interleaved q/k); cis: [B, D / 2, 2] float32 (cos, sin);
         out_cache_loc, req_slots, seq_lens: int64 [B]. Returns [B, H * D].
         """
-        _check(qkv, cis, k_buffer, v_buffer)
+        _check(qkv, cis)
+        _check_kv(k_buffer, v_buffer)
         _check_index(req_to_token, torch.int32)
         b = qkv.shape[0]
         for t in (out_cache_loc, req_slots, seq_lens):
@@ -328,7 +444,7 @@ class CpuKernels:
         if qkv.shape[1] != (num_heads + 2 * kv_heads) * d or cis.numel() != b * d:
             raise ValueError("decode_layer: qkv / cis shapes do not match the KV buffers")
         out = torch.empty((b, num_heads * d), dtype=qkv.dtype)
-        self._decode_layer(
+        self._decode_layer[k_buffer.dtype](
             qkv.data_ptr(),
             cis.data_ptr(),
             out_cache_loc.data_ptr(),
@@ -405,14 +521,15 @@ def load_cpu_kernels() -> CpuKernels | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
-    key = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + _cpu_fingerprint()).encode()).hexdigest()
+    source = _full_source()
+    key = hashlib.sha256((source + " ".join(_FLAGS) + _cpu_fingerprint()).encode()).hexdigest()
     out_dir = rsgl_cache_dir() / "kernels"
     library = out_dir / f"cpu_kernels-{key[:16]}.so"
     if not library.exists():
         out_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
             src = Path(tmp) / "cpu_kernels.c"
-            src.write_text(_SOURCE, encoding="utf-8")
+            src.write_text(source, encoding="utf-8")
             tmp_lib = Path(tmp) / "cpu_kernels.so"
             cmd = [compiler, *_FLAGS, "-shared", str(src), "-o", str(tmp_lib)]
             result = subprocess.run(cmd, capture_output=True, text=True, check=False)

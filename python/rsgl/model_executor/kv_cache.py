@@ -7,13 +7,34 @@ import torch
 
 from rsgl.models.config import ModelConfig
 
+# --kv-cache-dtype values: "auto" stores K/V in the model's dtype.
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype K/V are stored in for `kv_cache_dtype=name`; ValueError names the field."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"invalid kv_cache_dtype {name!r}: expected one of {', '.join(KV_CACHE_DTYPES)}"
+        )
+    return KV_CACHE_DTYPES[name] or model_dtype
+
 
 class KVCache:
     """Per-layer K and V buffers of shape [kv_buffer_size, num_kv_heads, head_dim].
 
     Row `s` holds the key/value of whichever token the Rust core assigned KV slot `s`. The
     first page of slots is never handed out by the core, so slot 0 is a safe padding target
-    for gathers over padded index tables.
+    for gathers over padded index tables. `dtype` may be narrower than the model's (a
+    float16/bfloat16 cache for a float32 model): keys and values are rounded when stored, and
+    every attention path reads the rounded values, prefills included.
     """
 
     def __init__(
@@ -61,8 +82,8 @@ class KVCache:
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store this step's keys/values ([T, Hkv, D]) at KV slots `loc` ([T])."""
-        self.k_buffers[layer_id][loc] = k
-        self.v_buffers[layer_id][loc] = v
+        self.k_buffers[layer_id][loc] = k.to(self.dtype)
+        self.v_buffers[layer_id][loc] = v.to(self.dtype)
 
 
 class ReqToTokenPool:

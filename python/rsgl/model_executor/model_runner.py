@@ -13,7 +13,7 @@ from rsgl.layers.sampler import SampleOutput, Sampler, SlotSamplingState
 from rsgl.layers.sampling_params import SamplingParams
 from rsgl.model_executor.forward_batch import ForwardBatch, ForwardMode, PlanLike
 from rsgl.model_executor.future_map import FutureMap
-from rsgl.model_executor.kv_cache import KVCache, ReqToTokenPool
+from rsgl.model_executor.kv_cache import KVCache, ReqToTokenPool, resolve_kv_cache_dtype
 from rsgl.models.loader import LoadedModel, load_model
 
 
@@ -46,6 +46,7 @@ class ModelRunner:
         max_running_requests: int,
         context_len: int | None = None,
         attention_backend: str = "torch_native",
+        kv_cache_dtype: str = "auto",
         seed: int = 0,
     ) -> None:
         self.loaded = loaded
@@ -56,7 +57,8 @@ class ModelRunner:
         self.context_len = context_len or self.config.max_position_embeddings
         self.max_running_requests = max_running_requests
         cfg = self.config
-        self.kv_cache = KVCache.for_model(cfg, kv_buffer_size, self.dtype, self.device)
+        kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
+        self.kv_cache = KVCache.for_model(cfg, kv_buffer_size, kv_dtype, self.device)
         self.req_to_token = ReqToTokenPool(max_running_requests, self.context_len, self.device)
         self.attn: AttentionBackend = create_attention_backend(
             attention_backend,
@@ -65,6 +67,7 @@ class ModelRunner:
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
             cfg.head_dim,
+            model_dtype=self.dtype,
         )
         self.future_map = FutureMap(max_running_requests, self.device)
         self.sampling = SlotSamplingState(
@@ -83,6 +86,7 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         dtype: torch.dtype | None = None,
         attention_backend: str = "torch_native",
+        kv_cache_dtype: str = "auto",
         seed: int = 0,
     ) -> ModelRunner:
         """Load `model` (None: the embedded SmolLM2) and allocate its cache."""
@@ -93,6 +97,7 @@ class ModelRunner:
             max_running_requests=max_running_requests,
             context_len=context_len,
             attention_backend=attention_backend,
+            kv_cache_dtype=kv_cache_dtype,
             seed=seed,
         )
 

@@ -25,6 +25,7 @@ import zmq.asyncio
 from fastapi import FastAPI
 
 from rsgl.engine import EngineArgs
+from rsgl.model_executor.kv_cache import KV_CACHE_DTYPES
 from rsgl.server import ipc
 from rsgl.server.app import ServerState, StateHolder, create_app
 from rsgl.server.frontend import Frontend
@@ -50,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-requests", action="store_true")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=list(KV_CACHE_DTYPES),
+        help="K/V storage dtype (auto: the model's; float16/bfloat16 halve a float32 cache)",
+    )
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--mem-fraction", "--mem-fraction-static", type=float, default=None)
     p.add_argument("--max-total-tokens", type=int, default=None)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from rsgl.layers.attention.base import AttentionBackend
 from rsgl.layers.attention.torch_native import TorchNativeAttnBackend
 from rsgl.model_executor.kv_cache import KVCache, ReqToTokenPool
@@ -18,6 +20,7 @@ def create_attention_backend(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    model_dtype: torch.dtype | None = None,
     **options: bool | None,
 ) -> AttentionBackend:
     """Instantiate the backend registered as `name` (`options` go to its constructor)."""
@@ -26,7 +29,7 @@ def create_attention_backend(
     except KeyError:
         known = ", ".join(sorted(ATTENTION_BACKENDS))
         raise ValueError(f"unknown attention backend {name!r}; available: {known}") from None
-    return cls(kv_cache, req_to_token, num_heads, num_kv_heads, head_dim, **options)
+    return cls(kv_cache, req_to_token, num_heads, num_kv_heads, head_dim, model_dtype, **options)
 
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "create_attention_backend"]

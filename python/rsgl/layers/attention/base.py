@@ -29,6 +29,7 @@ class AttentionBackend(ABC):
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
+        model_dtype: torch.dtype | None = None,
         **options: bool | None,
     ) -> None:
         if options:
@@ -41,6 +42,8 @@ class AttentionBackend(ABC):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+        # The dtype of queries and outputs; the cache may store K/V narrower.
+        self.model_dtype = model_dtype or kv_cache.dtype
 
     @abstractmethod
     def prepare(self, batch: ForwardBatch) -> None:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from rsgl.layers.attention.base import AttentionBackend
-from rsgl.layers.cpu_kernels import CpuKernels, load_cpu_kernels
+from rsgl.layers.cpu_kernels import KERNEL_KV_DTYPES, CpuKernels, load_cpu_kernels
 from rsgl.model_executor.forward_batch import ForwardBatch
 from rsgl.model_executor.kv_cache import KVCache, ReqToTokenPool
 
@@ -36,8 +36,9 @@ class TorchNativeAttnBackend(AttentionBackend):
     """Attention with PyTorch ops (SDPA), reading K/V through req_to_token.
 
     Extends (few per step, many tokens each) run one SDPA per request with a causal mask
-    offset by the cached prefix. Decodes (many per step, one token each) run batched: on CPU
-    in float32 through the fused paged kernel of `rsgl.layers.cpu_kernels` when it can be built,
+    offset by the cached prefix. Decodes (many per step, one token each) run batched: for a
+    float32 model on CPU through the fused paged kernel of `rsgl.layers.cpu_kernels` (over a
+    float32, float16 or bfloat16 cache) when it can be built,
     otherwise by gathering every decode request's K/V padded to the longest sequence and one
     masked SDPA. Index tables and masks are built once per step in `prepare`, not per layer.
     """
@@ -49,16 +50,24 @@ class TorchNativeAttnBackend(AttentionBackend):
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
+        model_dtype: torch.dtype | None = None,
         use_decode_kernel: bool | None = None,
     ) -> None:
-        super().__init__(kv_cache, req_to_token, num_heads, num_kv_heads, head_dim)
+        super().__init__(kv_cache, req_to_token, num_heads, num_kv_heads, head_dim, model_dtype)
         self.decode_kernel: CpuKernels | None = None
-        eligible = kv_cache.device.type == "cpu" and kv_cache.dtype == torch.float32
+        eligible = (
+            kv_cache.device.type == "cpu"
+            and self.model_dtype == torch.float32
+            and kv_cache.dtype in KERNEL_KV_DTYPES
+        )
         if use_decode_kernel is None:
             use_decode_kernel = eligible
         if use_decode_kernel:
             if not eligible:
-                raise ValueError("the CPU decode kernel needs a float32 KV cache on CPU")
+                raise ValueError(
+                    "the CPU decode kernel needs a float32 model on CPU and a float32, "
+                    "float16 or bfloat16 KV cache"
+                )
             self.decode_kernel = load_cpu_kernels()
 
     def prepare(self, batch: ForwardBatch) -> None:
@@ -158,8 +167,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         for req in meta.extends:
             end = req.token_start + req.extend_len
             qi = q[req.token_start : end].transpose(0, 1)  # [H, E, D]
-            ki = k_buf[req.kv_index].transpose(0, 1)  # [Hkv, S, D]
-            vi = v_buf[req.kv_index].transpose(0, 1)
+            ki = k_buf[req.kv_index].to(q.dtype).transpose(0, 1)  # [Hkv, S, D]
+            vi = v_buf[req.kv_index].to(q.dtype).transpose(0, 1)
             oi = F.scaled_dot_product_attention(
                 qi, ki, vi, attn_mask=req.mask, is_causal=req.mask is None, enable_gqa=gqa
             )
@@ -180,8 +189,8 @@ class TorchNativeAttnBackend(AttentionBackend):
                 )
             else:
                 assert meta.decode_kv_index is not None
-                kd = k_buf[meta.decode_kv_index].transpose(1, 2)  # [Bd, Hkv, S, D]
-                vd = v_buf[meta.decode_kv_index].transpose(1, 2)
+                kd = k_buf[meta.decode_kv_index].to(q.dtype).transpose(1, 2)  # [Bd, Hkv, S, D]
+                vd = v_buf[meta.decode_kv_index].to(q.dtype).transpose(1, 2)
                 od = F.scaled_dot_product_attention(
                     qd.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, enable_gqa=gqa
                 ).squeeze(2)
