@@ -81,15 +81,17 @@ def test_decode_layer_rotates_stores_and_attends(
 ) -> None:
     gen = torch.Generator().manual_seed(dim)
     heads, kv_heads = 6, 2
-    # 17 requests, so the threads split them; request 1 decodes its first token.
-    lens = [int(n) for n in torch.randint(1, 12, (17,), generator=gen)]
-    lens[1] = 1
+    # 17 requests, so the threads split them; request 1 decodes its first token, request 2
+    # has exactly two 16-position tiles (the AVX-512 path scores 16 at a time), the others
+    # a random length with a tail.
+    lens = [int(n) for n in torch.randint(1, 48, (17,), generator=gen)]
+    lens[1], lens[2] = 1, 32
     b = len(lens)
-    k_buf = torch.randn(256, kv_heads, dim, generator=gen).to(kv_dtype)
-    v_buf = torch.randn(256, kv_heads, dim, generator=gen).to(kv_dtype)
+    k_buf = torch.randn(1024, kv_heads, dim, generator=gen).to(kv_dtype)
+    v_buf = torch.randn(1024, kv_heads, dim, generator=gen).to(kv_dtype)
     # Each request's sequence lives in scattered slots; its last position is the new token.
-    slots = torch.randperm(255, generator=gen)[: sum(lens)] + 1
-    table = torch.zeros(20, 16, dtype=torch.int32)
+    slots = torch.randperm(1023, generator=gen)[: sum(lens)] + 1
+    table = torch.zeros(20, 48, dtype=torch.int32)
     req_slots = torch.randperm(20, generator=gen)[:b]
     seq_slots = slots.split(lens)
     for row, sl in zip(req_slots.tolist(), seq_slots):
