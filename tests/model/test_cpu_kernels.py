@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -63,24 +66,37 @@ def test_whole_model_eager_paths_match_kernel_paths(
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
 
 
-# 64 and 128 have their own compiled paths; 16-bit caches are widened as they are read.
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+
+# float32 runs the compiler's loops (constant-size paths for 64 and 128); 16-bit caches run
+# the AVX-512 path when head_dim is a multiple of 16 (on CPUs that have it: 4 query heads
+# per register group, so 8 per kv head take two groups, 6 take 3 + 3 at 80, 1 group of one
+# at 256) and the widening loops otherwise (40).
 @pytest.mark.parametrize(
-    ("dim", "kv_dtype"),
+    ("dim", "kv_dtype", "heads", "kv_heads"),
     [
-        (16, torch.float32),
-        (64, torch.float32),
-        (128, torch.float32),
-        (64, torch.float16),
-        (64, torch.bfloat16),
-        (128, torch.bfloat16),
-        (48, torch.float16),
+        (16, F32, 6, 2),
+        (64, F32, 6, 2),
+        (128, F32, 6, 2),
+        (64, F32, 8, 1),
+        (64, F16, 6, 2),
+        (48, F16, 6, 2),
+        (40, F16, 6, 2),
+        (64, BF16, 6, 2),
+        (128, BF16, 6, 2),
+        (40, BF16, 6, 2),
+        (64, BF16, 8, 1),
+        (64, F16, 8, 2),
+        (64, BF16, 4, 4),
+        (80, BF16, 6, 2),
+        (256, F16, 4, 2),
     ],
 )
 def test_decode_layer_rotates_stores_and_attends(
-    kernels: CpuKernels, dim: int, kv_dtype: torch.dtype
+    kernels: CpuKernels, dim: int, kv_dtype: torch.dtype, heads: int, kv_heads: int
 ) -> None:
     gen = torch.Generator().manual_seed(dim)
-    heads, kv_heads = 6, 2
     # 17 requests, so the threads split them; request 1 decodes its first token, request 2
     # has exactly two 16-position tiles (the AVX-512 path scores 16 at a time), the others
     # a random length with a tail.
@@ -159,3 +175,34 @@ def test_decode_bounds_are_checked_before_the_kernel_runs(
     )
     with pytest.raises(IndexError, match=what):
         backend.prepare(batch)
+
+
+@pytest.mark.parametrize("kv_dtype", [F16, BF16])
+def test_16_bit_stores_round_like_torch(kernels: CpuKernels, kv_dtype: torch.dtype) -> None:
+    # NaN, infinities, overflow, ties to even, a denormal and -0 go through the KV store.
+    special = [float("nan"), float("inf"), -float("inf"), 3.4e38, 70000.0, -0.0, 1e-39, 1e-7]
+    special += [1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-11, 1 + 3 * 2**-11, 2.5, -1 / 3]
+    dim = 16
+    v = torch.tensor(special + [0.0] * (dim - len(special)))
+    qkv = torch.cat([torch.zeros(2 * dim), torch.zeros(dim), v]).unsqueeze(0)  # H=2, Hkv=1
+    k_buf = torch.zeros(4, 1, dim, dtype=kv_dtype)
+    v_buf = torch.zeros(4, 1, dim, dtype=kv_dtype)
+    table = torch.tensor([[3]], dtype=torch.int32)
+    one = torch.ones(1, dtype=torch.int64)
+    cis = torch.view_as_real(torch.ones(1, dim // 2, dtype=torch.complex64))
+    kernels.decode_layer(qkv, cis, 3 * one, k_buf, v_buf, table, 0 * one, one, 2, 0.25)
+    torch.testing.assert_close(v_buf[3, 0].float(), v.to(kv_dtype).float(), equal_nan=True)
+
+
+def test_loading_the_kernels_keeps_denormals() -> None:
+    # A library linked with -ffast-math would switch the process to flush-to-zero.
+    code = (
+        "import torch\n"
+        "from rsgl.layers.cpu_kernels import load_cpu_kernels\n"
+        "assert load_cpu_kernels() is not None\n"
+        "print(float(torch.tensor(1e-39) * 1))\n"
+    )
+    if load_cpu_kernels() is None:
+        pytest.skip("no C compiler")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert float(out.stdout) == pytest.approx(1e-39, rel=1e-3)

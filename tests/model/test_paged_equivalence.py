@@ -111,7 +111,10 @@ def test_mixed_batch_eager_decode_path_matches_alone(
     _mixed_batch_vs_solo(driver)
 
 
-def test_decode_kernel_matches_eager_gather(smol_runner: ModelRunner) -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_decode_kernel_matches_eager_gather(
+    smol_runner: ModelRunner, kv_dtype: torch.dtype
+) -> None:
     backend = smol_runner.attn
     assert isinstance(backend, TorchNativeAttnBackend)
     if backend.decode_kernel is None:
@@ -125,8 +128,8 @@ def test_decode_kernel_matches_eager_gather(smol_runner: ModelRunner) -> None:
     perm = torch.randperm(kv.size - 1, generator=gen) + 1
     for i, n in enumerate(lens.tolist()):
         table[slots[i], :n] = perm[i * 200 : i * 200 + n].to(torch.int32)
-    k_buf = torch.randn(kv.size, kv.num_kv_heads, d, generator=gen)
-    v_buf = torch.randn(kv.size, kv.num_kv_heads, d, generator=gen)
+    k_buf = torch.randn(kv.size, kv.num_kv_heads, d, generator=gen).to(kv_dtype)
+    v_buf = torch.randn(kv.size, kv.num_kv_heads, d, generator=gen).to(kv_dtype)
     q = torch.randn(b, heads, d, generator=gen)
     out = torch.empty_like(q)
     backend.decode_kernel.decode_attention(q, k_buf, v_buf, table, slots, lens, out, backend.scale)
@@ -134,8 +137,8 @@ def test_decode_kernel_matches_eager_gather(smol_runner: ModelRunner) -> None:
         idx = table[slots[i], :n].long()
         ref = torch.nn.functional.scaled_dot_product_attention(
             q[i].unsqueeze(1),
-            k_buf[idx].transpose(0, 1),
-            v_buf[idx].transpose(0, 1),
+            k_buf[idx].float().transpose(0, 1),
+            v_buf[idx].float().transpose(0, 1),
             enable_gqa=True,
         ).squeeze(1)
         torch.testing.assert_close(out[i], ref, atol=1e-5, rtol=1e-5)

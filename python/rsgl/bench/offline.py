@@ -125,6 +125,7 @@ def main(argv: list[str]) -> int:
         "num_prompts": len(prompts),
         "input_len": args.input_len,
         "output_len": args.output_len,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "torch_threads": torch.get_num_threads(),
     }
     rsgl_run = run_rsgl(prompts, args.output_len, **engine)

@@ -1,5 +1,6 @@
-"""Fused float32 CPU kernels, compiled on first use: paged decode attention (alone, or with
-the rotary and the KV store of a decode-only layer step), add+RMSNorm, SiLU-and-multiply.
+"""Fused CPU kernels for float32 models, compiled on first use: paged decode attention over a
+float32, float16 or bfloat16 KV cache (alone, or with the rotary and the KV store of a
+decode-only layer step), add+RMSNorm, SiLU-and-multiply.
 
 Eager PyTorch has to gather every decode request's keys and values into a padded copy before
 it can attend (measured at batch 64: the gather alone costs more than a third of the model's
@@ -8,7 +9,7 @@ req_to_token, once, with software prefetch for the indirect rows; `decode_layer`
 rotates q/k and stores k/v in the same pass over each request. The elementwise kernels
 replace 4-7 small torch ops each (each op pays a thread-pool round trip at decode sizes).
 
-The source is plain C (no torch headers, so it compiles in well under a second), built with
+The source is plain C (no torch headers, so it compiles in a few seconds), built with
 the system C compiler into `~/.cache/rsgl/kernels` and called through ctypes, which releases
 the GIL during the call. Without a compiler every caller falls back to eager torch ops.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -30,6 +32,8 @@ from typing import Any
 import torch
 
 from rsgl.models.cache_dir import rsgl_cache_dir
+
+logger = logging.getLogger(__name__)
 
 _SOURCE = r"""
 #include <float.h>
@@ -53,7 +57,7 @@ static inline void prefetch_bytes(const void* p, int64_t n) {
    arithmetic, so the softmax loop vectorizes; libm's expf is a scalar call per element. */
 static inline float exp_nonpos(float x) {
     x = x < -87.f ? -87.f : x;
-    const float n = __builtin_roundf(x * 1.44269504088896341f);
+    const float n = __builtin_rintf(x * 1.44269504088896341f);
     const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
@@ -81,7 +85,8 @@ static inline float sigmoid(float x) {
 void rsgl_add_rmsnorm(const float* x, const float* residual, float* residual_out,
                       const float* w, float* out, int64_t rows, int64_t dim, float eps,
                       int nthreads) {
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * dim > PARALLEL_MIN_ELEMS)
+    #pragma omp parallel for schedule(static) num_threads(nthreads) \
+        if (rows * dim > PARALLEL_MIN_ELEMS)
     for (int64_t r = 0; r < rows; r++) {
         const float* xr = x + r * dim;
         float* hr = residual_out + r * dim;
@@ -109,7 +114,8 @@ void rsgl_add_rmsnorm(const float* x, const float* residual, float* residual_out
 /* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i] */
 void rsgl_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter,
                    int nthreads) {
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * inter > PARALLEL_MIN_ELEMS)
+    #pragma omp parallel for schedule(static) num_threads(nthreads) \
+        if (rows * inter > PARALLEL_MIN_ELEMS)
     for (int64_t r = 0; r < rows; r++) {
         const float* g = gate_up + r * 2 * inter;
         const float* u = g + inter;
@@ -127,6 +133,9 @@ static inline const float* widen_f32(const float* src, float* tmp, int64_t n) {
     return src;
 }
 
+#if defined(__FLT16_MAX__)
+/* float16 needs the compiler's _Float16 (GCC 12, clang 15 on x86-64); without it the float16
+   kernels are left out and a float16 cache uses the eager torch path. */
 static inline const float* widen_f16(const _Float16* src, float* tmp, int64_t n) {
     int64_t i = 0;
 #if defined(__F16C__)
@@ -137,13 +146,17 @@ static inline const float* widen_f16(const _Float16* src, float* tmp, int64_t n)
     for (; i < n; i++) tmp[i] = (float)src[i];
     return tmp;
 }
+#endif
 
 /* bfloat16 is the top half of a float32: widening is a shift; narrowing rounds to nearest
    even (as torch's .to(torch.bfloat16) does) and keeps NaN a quiet NaN. */
 static inline const float* widen_bf16(const uint16_t* src, float* tmp, int64_t n) {
-    uint32_t* out = (uint32_t*)tmp;
     #pragma omp simd
-    for (int64_t i = 0; i < n; i++) out[i] = (uint32_t)src[i] << 16;
+    for (int64_t i = 0; i < n; i++) {
+        union { uint32_t u; float f; } c;
+        c.u = (uint32_t)src[i] << 16;
+        tmp[i] = c.f;
+    }
     return tmp;
 }
 
@@ -186,8 +199,8 @@ static void softmax_rows(float* sc, int64_t H, int64_t len) {
 _KV_SOURCE = r"""
 /* Attention of one decode query (all H heads, qb) over the request's keys and values, read
    through its req_to_token row: scores for every head from one pass over the K rows, softmax,
-   then one pass over the V rows. Query heads jG .. jG + G - 1 read kv head j (G = H / Hkv). K/V elements are
-   KV_T, read as floats through FN(widen).
+   then one pass over the V rows. Query heads jG .. jG + G - 1 read kv head j (G = H / Hkv).
+   K/V elements are KV_T, read as floats through FN(widen).
    Always inlined, so callers passing a constant D get fully unrolled inner loops. */
 static inline __attribute__((always_inline)) void FN(attend_impl)(
     const float* qb, const KV_T* kb, const KV_T* vb, const int32_t* slots, int64_t len,
@@ -237,16 +250,20 @@ static inline __attribute__((always_inline)) void FN(attend_impl)(
      transposing reduction (45 shuffles and adds) finishes 16 scores instead of a horizontal
      sum per score;
    - V accumulates in registers: per kv head, up to 16 vectors of its query heads' outputs
-     over all positions, so each V element is widened once for all heads that share it.
-   K rows are read whole and in order (the pattern the hardware prefetcher follows). */
+     over all positions, so each V element is widened once per group of (up to 4) heads
+     that share it.
+   K rows are read whole and in order: within a row the hardware prefetcher follows; across
+   rows (indirect slots) software prefetch does. */
 
 /* lane t of the result = the sum of the 16 lanes of v[t] */
 static inline __m512 FN(sum16)(const __m512* v) {
     __m512 x[4];
     for (int i = 0; i < 4; i++) {
         const __m512* w = v + 4 * i;
-        const __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(w[0], w[1]), _mm512_unpackhi_ps(w[0], w[1]));
-        const __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(w[2], w[3]), _mm512_unpackhi_ps(w[2], w[3]));
+        const __m512 a =
+            _mm512_add_ps(_mm512_unpacklo_ps(w[0], w[1]), _mm512_unpackhi_ps(w[0], w[1]));
+        const __m512 b =
+            _mm512_add_ps(_mm512_unpacklo_ps(w[2], w[3]), _mm512_unpackhi_ps(w[2], w[3]));
         /* per 128-bit lane: [w0, w1, w2, w3] partial sums */
         x[i] = _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
                              _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
@@ -292,7 +309,7 @@ static inline __attribute__((always_inline)) void FN(attend_avx512_impl)(
     float* part = tmp + row;  /* H x 16 partial-sum vectors */
     const int64_t row_bytes = row * (int64_t)sizeof(KV_T);
     const __m512 vscale = _mm512_set1_ps(scale);
-    /* Whole K rows in order (the access pattern the hardware prefetcher follows); each
+    /* Whole K rows in order, prefetched PREFETCH_AHEAD rows ahead; each
        score's 16-lane partial sum waits in part (H x 16 vectors) until 16 positions are
        done, then one transposing reduction per head finishes them. */
     int64_t s0 = 0;
@@ -405,7 +422,8 @@ void FN(rsgl_decode_layer)(
         const int64_t len = seq_lens[b];
         const float* x = qkv + b * width;
         const float* cs = cis + b * D;
-        float* q = (float*)malloc(sizeof(float) * (size_t)(H * D + len * H + ATTEND_TMP(H, Hkv, D)));
+        const int64_t scratch = H * D + len * H + ATTEND_TMP(H, Hkv, D);
+        float* q = (float*)malloc(sizeof(float) * (size_t)scratch);
         float* sc = q + H * D;
         KV_T* k = kb + loc[b] * row;
         for (int64_t h = 0; h < H; h++) {
@@ -448,6 +466,7 @@ class _KvType:
     store: str  # KV_STORE(p, i, x): element i of p = x, rounded to nearest even
     load16: str  # KV_LOAD16(p) (AVX-512 only): elements p[0:16] as a __m512 of floats
     avx512: bool  # attend with the AVX-512 intrinsics path when the CPU has it
+    guard: str = "1"  # a preprocessor condition: the type's kernels exist only where it holds
 
 
 _KV_TYPES: dict[torch.dtype, _KvType] = {
@@ -458,6 +477,7 @@ _KV_TYPES: dict[torch.dtype, _KvType] = {
         "((p)[i] = (_Float16)(x))",
         "_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p)))",
         True,
+        "defined(__FLT16_MAX__)",
     ),
     torch.bfloat16: _KvType(
         "uint16_t",
@@ -468,25 +488,28 @@ _KV_TYPES: dict[torch.dtype, _KvType] = {
         True,
     ),
 }
-KERNEL_KV_DTYPES = tuple(_KV_TYPES)
 
 
 def _full_source() -> str:
     parts = [_SOURCE]
     for kv in _KV_TYPES.values():
         parts.append(
-            f"#define KV_T {kv.c_type}\n#define KV_SUFFIX {kv.suffix}\n"
+            f"#if {kv.guard}\n#define KV_T {kv.c_type}\n#define KV_SUFFIX {kv.suffix}\n"
             f"#define KV_STORE(p, i, x) {kv.store}\n#define KV_LOAD16(p) {kv.load16}\n"
             f"#define KV_AVX512 {int(kv.avx512)}\n"
         )
         parts.append(_KV_SOURCE)
         parts.append(
             "#undef KV_T\n#undef KV_SUFFIX\n#undef KV_STORE\n#undef KV_LOAD16\n#undef KV_AVX512\n"
+            "#endif\n"
         )
     return "".join(parts)
 
 
+# Compile flags. -ffast-math is for compiling only: a shared library *linked* with it gets
+# crtfastmath, which turns on flush-to-zero for the whole process, torch included.
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC"]
+_LINK_FLAGS = ["-shared", "-fopenmp"]
 
 
 def _check(*tensors: torch.Tensor) -> None:
@@ -495,13 +518,19 @@ def _check(*tensors: torch.Tensor) -> None:
             raise ValueError("CPU kernels take contiguous float32 CPU tensors")
 
 
-def _check_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> None:
+def _check_kv(
+    kernels: dict[torch.dtype, Any], k_buffer: torch.Tensor, v_buffer: torch.Tensor, heads: int
+) -> None:
     for t in (k_buffer, v_buffer):
         if not t.is_contiguous() or t.device.type != "cpu" or t.dtype != k_buffer.dtype:
             raise ValueError("the K and V buffers must be contiguous CPU tensors of one dtype")
-    if k_buffer.dtype not in _KV_TYPES:
-        supported = ", ".join(str(d) for d in _KV_TYPES)
-        raise ValueError(f"KV buffers of {k_buffer.dtype}: the kernels take {supported}")
+    if k_buffer.dim() != 3 or k_buffer.shape != v_buffer.shape:
+        raise ValueError("the K and V buffers must both be [slots, kv_heads, head_dim]")
+    if k_buffer.dtype not in kernels:
+        supported = ", ".join(str(d) for d in kernels)
+        raise ValueError(f"KV buffers of {k_buffer.dtype}: the kernels were built for {supported}")
+    if heads % k_buffer.shape[1]:
+        raise ValueError(f"{heads} query heads do not divide into {k_buffer.shape[1]} kv heads")
 
 
 def _check_index(t: torch.Tensor, dtype: torch.dtype) -> None:
@@ -516,10 +545,13 @@ class CpuKernels:
         self.library = library
         lib = ctypes.CDLL(str(library))
         ptr, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-        # Per KV cache dtype: the attention kernels instantiated for its element type.
+        # Per KV cache dtype: the attention kernels instantiated for its element type (a type
+        # whose guard failed at compile time has none).
         self._decode: dict[torch.dtype, Any] = {}
         self._decode_layer: dict[torch.dtype, Any] = {}
         for dtype, kv in _KV_TYPES.items():
+            if not hasattr(lib, f"rsgl_decode_attention_{kv.suffix}"):
+                continue
             decode = getattr(lib, f"rsgl_decode_attention_{kv.suffix}")
             decode.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, f32, i32]
             layer = getattr(lib, f"rsgl_decode_layer_{kv.suffix}")
@@ -533,6 +565,11 @@ class CpuKernels:
         for fn in (*self._decode.values(), *self._decode_layer.values()):
             fn.restype = None
         self._add_rmsnorm.restype = self._silu_mul.restype = None
+
+    @property
+    def kv_dtypes(self) -> tuple[torch.dtype, ...]:
+        """The KV cache dtypes the attention kernels were built for."""
+        return tuple(self._decode)
 
     def decode_attention(
         self,
@@ -548,11 +585,15 @@ class CpuKernels:
         """q/out: [B, H, D] float32; buffers [N, Hkv, D] of a KV dtype (float32, float16,
         bfloat16); req_to_token int32; slots/lens int64 [B]."""
         _check(q, out)
-        _check_kv(k_buffer, v_buffer)
+        _check_kv(self._decode, k_buffer, v_buffer, q.shape[1])
         _check_index(req_to_token, torch.int32)
         _check_index(req_slots, torch.int64)
         _check_index(seq_lens, torch.int64)
         b, h, d = q.shape
+        if d != k_buffer.shape[2] or out.shape != q.shape:
+            raise ValueError("decode_attention: q, out and the KV buffers' head_dim must agree")
+        if req_slots.shape != (b,) or seq_lens.shape != (b,):
+            raise ValueError(f"decode_attention: req_slots and seq_lens must have shape ({b},)")
         self._decode[k_buffer.dtype](
             q.data_ptr(),
             k_buffer.data_ptr(),
@@ -589,7 +630,7 @@ class CpuKernels:
         out_cache_loc, req_slots, seq_lens: int64 [B]. Returns [B, H * D].
         """
         _check(qkv, cis)
-        _check_kv(k_buffer, v_buffer)
+        _check_kv(self._decode_layer, k_buffer, v_buffer, num_heads)
         _check_index(req_to_token, torch.int32)
         b = qkv.shape[0]
         for t in (out_cache_loc, req_slots, seq_lens):
@@ -678,7 +719,8 @@ def load_cpu_kernels() -> CpuKernels | None:
     if compiler is None:
         return None
     source = _full_source()
-    key = hashlib.sha256((source + " ".join(_FLAGS) + _cpu_fingerprint()).encode()).hexdigest()
+    flags = " ".join(_FLAGS + _LINK_FLAGS)
+    key = hashlib.sha256((source + flags + _cpu_fingerprint()).encode()).hexdigest()
     out_dir = rsgl_cache_dir() / "kernels"
     library = out_dir / f"cpu_kernels-{key[:16]}.so"
     if not library.exists():
@@ -686,10 +728,20 @@ def load_cpu_kernels() -> CpuKernels | None:
         with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
             src = Path(tmp) / "cpu_kernels.c"
             src.write_text(source, encoding="utf-8")
-            tmp_lib = Path(tmp) / "cpu_kernels.so"
-            cmd = [compiler, *_FLAGS, "-shared", str(src), "-o", str(tmp_lib)]
-            result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            obj, tmp_lib = Path(tmp) / "cpu_kernels.o", Path(tmp) / "cpu_kernels.so"
+            for cmd in (
+                [compiler, *_FLAGS, "-c", str(src), "-o", str(obj)],
+                [compiler, *_LINK_FLAGS, str(obj), "-o", str(tmp_lib)],
+            ):
+                result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+                if result.returncode != 0:
+                    break
             if result.returncode != 0:
+                logger.warning(
+                    "the CPU kernels did not compile (%s); using eager torch ops:\n%s",
+                    compiler,
+                    result.stderr[-2000:],
+                )
                 return None
             # Rename is atomic, so concurrent first loads never see a half-written library.
             os.replace(tmp_lib, library)

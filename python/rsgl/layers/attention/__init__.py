@@ -20,7 +20,8 @@ def create_attention_backend(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
-    model_dtype: torch.dtype | None = None,
+    *,
+    model_dtype: torch.dtype,
     **options: bool | None,
 ) -> AttentionBackend:
     """Instantiate the backend registered as `name` (`options` go to its constructor)."""
@@ -29,7 +30,15 @@ def create_attention_backend(
     except KeyError:
         known = ", ".join(sorted(ATTENTION_BACKENDS))
         raise ValueError(f"unknown attention backend {name!r}; available: {known}") from None
-    return cls(kv_cache, req_to_token, num_heads, num_kv_heads, head_dim, model_dtype, **options)
+    return cls(
+        kv_cache,
+        req_to_token,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        model_dtype=model_dtype,
+        **options,
+    )
 
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "create_attention_backend"]

@@ -29,7 +29,8 @@ class AttentionBackend(ABC):
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
-        model_dtype: torch.dtype | None = None,
+        *,
+        model_dtype: torch.dtype,
         **options: bool | None,
     ) -> None:
         if options:
@@ -43,7 +44,7 @@ class AttentionBackend(ABC):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         # The dtype of queries and outputs; the cache may store K/V narrower.
-        self.model_dtype = model_dtype or kv_cache.dtype
+        self.model_dtype = model_dtype
 
     @abstractmethod
     def prepare(self, batch: ForwardBatch) -> None:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from rsgl.layers.attention.base import AttentionBackend
-from rsgl.layers.cpu_kernels import KERNEL_KV_DTYPES, CpuKernels, load_cpu_kernels
+from rsgl.layers.cpu_kernels import CpuKernels, load_cpu_kernels
 from rsgl.model_executor.forward_batch import ForwardBatch
 from rsgl.model_executor.kv_cache import KVCache, ReqToTokenPool
 
@@ -38,9 +38,9 @@ class TorchNativeAttnBackend(AttentionBackend):
     Extends (few per step, many tokens each) run one SDPA per request with a causal mask
     offset by the cached prefix. Decodes (many per step, one token each) run batched: for a
     float32 model on CPU through the fused paged kernel of `rsgl.layers.cpu_kernels` (over a
-    float32, float16 or bfloat16 cache) when it can be built,
-    otherwise by gathering every decode request's K/V padded to the longest sequence and one
-    masked SDPA. Index tables and masks are built once per step in `prepare`, not per layer.
+    float32, float16 or bfloat16 cache) when it can be built, otherwise by gathering every
+    decode request's K/V padded to the longest sequence and one masked SDPA. Index tables
+    and masks are built once per step in `prepare`, not per layer.
     """
 
     def __init__(
@@ -50,25 +50,28 @@ class TorchNativeAttnBackend(AttentionBackend):
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
-        model_dtype: torch.dtype | None = None,
+        *,
+        model_dtype: torch.dtype,
         use_decode_kernel: bool | None = None,
     ) -> None:
-        super().__init__(kv_cache, req_to_token, num_heads, num_kv_heads, head_dim, model_dtype)
-        self.decode_kernel: CpuKernels | None = None
-        eligible = (
-            kv_cache.device.type == "cpu"
-            and self.model_dtype == torch.float32
-            and kv_cache.dtype in KERNEL_KV_DTYPES
+        super().__init__(
+            kv_cache, req_to_token, num_heads, num_kv_heads, head_dim, model_dtype=model_dtype
         )
-        if use_decode_kernel is None:
-            use_decode_kernel = eligible
-        if use_decode_kernel:
-            if not eligible:
-                raise ValueError(
-                    "the CPU decode kernel needs a float32 model on CPU and a float32, "
-                    "float16 or bfloat16 KV cache"
-                )
-            self.decode_kernel = load_cpu_kernels()
+        kernels: CpuKernels | None = None
+        if (
+            use_decode_kernel is not False
+            and kv_cache.device.type == "cpu"
+            and model_dtype == torch.float32
+        ):
+            kernels = load_cpu_kernels()
+            if kernels is not None and kv_cache.dtype not in kernels.kv_dtypes:
+                kernels = None
+        if use_decode_kernel and kernels is None:
+            raise ValueError(
+                "the CPU decode kernel needs a float32 model on CPU, a C compiler and a KV "
+                f"cache dtype the kernels were built for (not {kv_cache.dtype})"
+            )
+        self.decode_kernel = kernels
 
     def prepare(self, batch: ForwardBatch) -> None:
         table = self.req_to_token.req_to_token
