@@ -22,7 +22,7 @@ import torch
 
 from rsgl._core import Scheduler
 from rsgl.layers.sampling_params import SamplingParams
-from rsgl.model_executor.kv_cache import KVCache, resolve_kv_cache_dtype
+from rsgl.model_executor.kv_cache import KVCache, check_kv_cache_dtype, resolve_kv_cache_dtype
 from rsgl.model_executor.model_runner import ModelRunner
 from rsgl.scheduler.loop import SchedulerLoop
 
@@ -61,7 +61,7 @@ class EngineArgs:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)  # ValueError names it
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:
             raise ValueError(f"mem_fraction must be in (0, 1), got {self.mem_fraction}")
         for name in ("max_running_requests", "max_prefill_tokens", "page_size"):

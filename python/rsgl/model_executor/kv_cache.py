@@ -18,12 +18,17 @@ KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
 }
 
 
-def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The dtype K/V are stored in for `kv_cache_dtype=name`; ValueError names the field."""
+def check_kv_cache_dtype(name: str) -> None:
+    """ValueError naming the field unless `name` is a kv_cache_dtype value."""
     if name not in KV_CACHE_DTYPES:
         raise ValueError(
             f"invalid kv_cache_dtype {name!r}: expected one of {', '.join(KV_CACHE_DTYPES)}"
         )
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype K/V are stored in for `kv_cache_dtype=name`."""
+    check_kv_cache_dtype(name)
     return KV_CACHE_DTYPES[name] or model_dtype
 
 
