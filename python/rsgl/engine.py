@@ -21,10 +21,17 @@ from typing import Any, Self, cast
 import torch
 
 from rsgl._core import Scheduler
-from rsgl.layers.sampling_params import SamplingParams
+from rsgl.errors import InvalidRequest
 from rsgl.model_executor.kv_cache import KVCache, check_kv_cache_dtype, resolve_kv_cache_dtype
 from rsgl.model_executor.model_runner import ModelRunner
+from rsgl.sampling_params import SamplingParams
 from rsgl.scheduler.loop import SchedulerLoop
+from rsgl.validation import (
+    RequestLimits,
+    check_messages,
+    check_prompt,
+    make_sampling_params,
+)
 
 Prompt = str | list[int]
 Messages = list[dict[str, Any]]
@@ -59,12 +66,19 @@ class EngineArgs:
     enable_mixed_chunk: bool = False
     attention_backend: str = "torch_native"
     seed: int = 0
+    # Request limits (see rsgl.validation.RequestLimits).
+    allow_auto_truncate: bool = False
+    max_n: int = 128
+    max_logprobs: int = 20
+    max_stop_strings: int = 64
+    max_stop_string_len: int = 1024
 
     def __post_init__(self) -> None:
         check_kv_cache_dtype(self.kv_cache_dtype)
         if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:
             raise ValueError(f"mem_fraction must be in (0, 1), got {self.mem_fraction}")
-        for name in ("max_running_requests", "max_prefill_tokens", "page_size"):
+        limits = ("max_n", "max_stop_strings", "max_stop_string_len")
+        for name in ("max_running_requests", "max_prefill_tokens", "page_size", *limits):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
@@ -76,35 +90,20 @@ class EngineArgs:
             raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
         return cls(model_path=model_path, **options)
 
-
-# SGLang's sampling_params keys that map one-to-one onto SamplingParams fields.
-_PARAM_KEYS = {f.name for f in dataclasses.fields(SamplingParams)}
-_ALIASES = {"logprobs": "return_logprob", "top_logprobs": "top_logprobs_num"}
-
-
-def make_sampling_params(raw: dict[str, Any] | None) -> tuple[SamplingParams, int]:
-    """SamplingParams from an SGLang-style dict, plus `n`; ValueError names a bad field."""
-    raw = dict(raw or {})
-    n = raw.pop("n", 1)
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"invalid sampling parameter n={n!r}: must be an integer >= 1")
-    values: dict[str, Any] = {}
-    for key, value in raw.items():
-        field = _ALIASES.get(key, key)
-        if field not in _PARAM_KEYS:
-            raise ValueError(f"unknown sampling parameter {key!r}")
-        values[field] = value
-    stop = values.get("stop")
-    if isinstance(stop, str):
-        values["stop"] = [stop]
-    elif stop is None:
-        values.pop("stop", None)
-    if values.get("top_logprobs_num"):
-        values["return_logprob"] = True
-    try:
-        return SamplingParams(**values), n
-    except TypeError as exc:
-        raise ValueError(f"invalid sampling parameters: {exc}") from exc
+    def request_limits(
+        self, vocab_size: int, context_length: int, max_prompt_len: int
+    ) -> RequestLimits:
+        """The limits requests are validated against, for a model of these sizes."""
+        return RequestLimits(
+            vocab_size=vocab_size,
+            context_length=context_length,
+            max_prompt_len=max_prompt_len,
+            allow_auto_truncate=self.allow_auto_truncate,
+            max_n=self.max_n,
+            max_logprobs=self.max_logprobs,
+            max_stop_strings=self.max_stop_strings,
+            max_stop_string_len=self.max_stop_string_len,
+        )
 
 
 @dataclass(slots=True)
@@ -239,6 +238,9 @@ class Engine:
         self.runner = stack.runner
         self.context_length = stack.context_length
         self.max_total_tokens = stack.max_total_tokens
+        self.limits = self.args.request_limits(
+            self.runner.config.vocab_size, self.context_length, self.core.max_prompt_len
+        )
         self._loop = SchedulerLoop(
             self.core, self.runner, self.tokenizer, overlap=not self.args.disable_overlap_schedule
         )
@@ -248,18 +250,15 @@ class Engine:
     def _prompt_ids(self, prompt: Prompt | None, messages: Messages | None) -> list[int]:
         if messages is not None:
             ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                check_messages(messages),
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
             )
-            return [int(t) for t in cast(list[int], ids)]
+            return check_prompt([int(t) for t in cast(list[int], ids)], self.limits, "messages")
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            return [int(t) for t in self.tokenizer.encode(prompt)]
-        if prompt is None or len(prompt) == 0:
-            raise ValueError("the prompt is empty: give text, input_ids or messages")
-        if not all(isinstance(t, int) and t >= 0 for t in prompt):
-            raise ValueError("input_ids must be a list of non-negative token ids")
-        return list(prompt)
+            return check_prompt(list(self.tokenizer.encode(prompt)), self.limits)
+        return check_prompt(prompt, self.limits, "input_ids")
 
     def _start_requests(
         self,
@@ -268,43 +267,15 @@ class Engine:
         rids: list[str] | None,
         aio_loop: asyncio.AbstractEventLoop | None,
     ) -> list[_Collector]:
-        """Validates everything first, then queues; nothing is queued if any input is bad."""
+        """Queues validated requests in one loop command, so they are prefilled together."""
         jobs = []
         for i, (ids, (p, n)) in enumerate(zip(prompts, params)):
-            room = self.core.max_new_tokens_room(len(ids))
-            if len(ids) >= self.context_length:
-                raise ValueError(
-                    f"the prompt has {len(ids)} tokens, but this model's maximum context "
-                    f"length is {self.context_length} tokens"
-                )
-            if room == 0:
-                raise ValueError(
-                    f"the prompt has {len(ids)} tokens, but the KV cache pool holds only "
-                    f"{self.max_total_tokens} tokens"
-                )
             base = rids[i] if rids else uuid.uuid4().hex
             for k in range(n):
                 jobs.append((base if n == 1 else f"{base}-{k}", ids, p))
         self._loop.start()
-        collectors = []
-        batch = []
-        for rid, ids, p in jobs:
-            c = _Collector(aio_loop)
-            if p.max_new_tokens == 0:
-                meta = {
-                    "id": rid,
-                    "finish_reason": {"type": "length", "length": 0},
-                    "prompt_tokens": len(ids),
-                    "completion_tokens": 0,
-                    "cached_tokens": 0,
-                    "e2e_latency": 0.0,
-                }
-                c.deliver("", [], meta)
-            else:
-                batch.append((rid, ids, p, c.deliver))
-            collectors.append(c)
-        # One command for the whole call, so its prompts are prefilled together.
-        self._loop.submit_many(batch)
+        collectors = [_Collector(aio_loop) for _ in jobs]
+        self._loop.submit_many([(*job, c.deliver) for job, c in zip(jobs, collectors)])
         return collectors
 
     def _normalize(
@@ -314,9 +285,11 @@ class Engine:
         input_ids: list[int] | list[list[int]] | None,
         messages: Messages | list[Messages] | None,
     ) -> tuple[list[list[int]], list[tuple[SamplingParams, int]], bool]:
+        """Validates a call's prompts and sampling parameters (all of them before anything
+        is queued; InvalidRequest names the first bad one)."""
         given = [x is not None for x in (prompt, input_ids, messages)]
         if sum(given) != 1:
-            raise ValueError("give exactly one of prompt, input_ids or messages")
+            raise InvalidRequest("give exactly one of prompt, input_ids or messages", "prompt")
         if messages is not None:
             batch = bool(messages) and isinstance(messages[0], list)
             items: list[Any] = list(messages) if batch else [messages]
@@ -333,10 +306,14 @@ class Engine:
             ids = [self._prompt_ids(p, None) for p in items]
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(ids):
-                raise ValueError(f"{len(sampling_params)} sampling_params for {len(ids)} prompts")
-            params = [make_sampling_params(p) for p in sampling_params]
+                raise InvalidRequest(
+                    f"{len(sampling_params)} sampling_params for {len(ids)} prompts",
+                    "sampling_params",
+                )
+            raws = sampling_params
         else:
-            params = [make_sampling_params(sampling_params)] * len(ids)
+            raws = [sampling_params or {}] * len(ids)
+        params = [make_sampling_params(r, self.limits, len(p)) for r, p in zip(raws, ids)]
         return ids, params, batch or any(n > 1 for _, n in params)
 
     def generate(

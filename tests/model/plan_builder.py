@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rsgl.layers.sampling_params import SamplingParams
 from rsgl.model_executor.model_runner import ModelRunner, StepOutput
+from rsgl.sampling_params import SamplingParams
 
 
 @dataclass

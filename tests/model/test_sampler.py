@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rsgl.layers.sampler import Sampler, SlotSamplingState, exponential_noise, filtered_probs
-from rsgl.layers.sampling_params import SamplingParams
+from rsgl.sampling_params import SamplingParams
 
 VOCAB = 64
 EOS = 7

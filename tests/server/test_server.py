@@ -7,9 +7,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,48 +15,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from launcher import launch, stop
 from prometheus_client.parser import text_string_to_metric_families
 
 KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def launch(log_path: Path, *flags: str) -> tuple[subprocess.Popen[bytes], str]:
-    """Starts `rsgl serve` on a free port and waits until /health answers 200."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "rsgl", "serve", "--port", str(port), *flags]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        assert proc.poll() is None, log_path.read_text()
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    pytest.fail("server did not start: " + log_path.read_text())
-
-
-def stop(proc: subprocess.Popen[bytes], log_path: Path) -> str:
-    """SIGTERM, then the log; the exit must be clean."""
-    proc.send_signal(signal.SIGTERM)
-    code = proc.wait(timeout=60)
-    text = log_path.read_text()
-    # uvicorn re-raises the signal after its graceful shutdown, so -SIGTERM is a clean exit.
-    assert code in (0, -signal.SIGTERM), text
-    assert "Application shutdown complete" in text
-    return text
 
 
 @pytest.fixture(scope="module")

@@ -317,6 +317,16 @@ impl PyScheduler {
         }
     }
 
+    /// Aborts a request that was in a failed step, as `abort`, but its KV is never cached
+    /// (the failed step may have written part of it). Same return values as `abort`.
+    fn fail(&mut self, rid: u64, message: String) -> &'static str {
+        match self.inner.fail(rid, message) {
+            AbortStatus::Removed => "removed",
+            AbortStatus::Deferred => "deferred",
+            AbortStatus::Unknown => "unknown",
+        }
+    }
+
     /// Finishes a request whose stop string Python found; false if unknown or finished.
     fn finish(&mut self, rid: u64, matched: String) -> bool {
         self.inner.finish(rid, matched)

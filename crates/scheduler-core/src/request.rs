@@ -95,6 +95,9 @@ pub struct Request {
     pub inflight_steps: usize,
     /// Cached tokens found at first admission (reported to users as `cached_tokens`).
     pub cached_tokens: usize,
+    /// Whether releasing the request may insert its KV into the prefix tree. Cleared when a
+    /// step that included it failed: that step may have written part of its KV, or none.
+    pub cacheable: bool,
 }
 
 impl Request {
@@ -116,6 +119,7 @@ impl Request {
             pending_tokens: 0,
             inflight_steps: 0,
             cached_tokens: 0,
+            cacheable: true,
         }
     }
 

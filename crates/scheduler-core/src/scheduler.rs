@@ -1173,7 +1173,8 @@ impl Scheduler {
 
     /// Releases a finished request: caches its KV in the tree, frees the rest, forgets it.
     fn release(&mut self, idx: usize) {
-        self.release_memory(idx, true);
+        let cache = self.req(idx).cacheable;
+        self.release_memory(idx, cache);
         let req = self.reqs[idx].take().expect("live request");
         self.by_rid.remove(&req.rid);
         self.free_entries.push(idx);
@@ -1208,6 +1209,18 @@ impl Scheduler {
         } else {
             AbortStatus::Removed
         }
+    }
+
+    /// Aborts a request that was in a step whose execution failed. As `abort`, except that
+    /// none of its KV is ever inserted into the prefix tree: the failed step may have written
+    /// some of it, or none, so other requests must not reuse it. Idempotent; a request that
+    /// already finished but is still held by an in-flight step loses its caching too.
+    pub fn fail(&mut self, rid: Rid, message: String) -> AbortStatus {
+        let Some(&idx) = self.by_rid.get(&rid) else {
+            return AbortStatus::Unknown;
+        };
+        self.req_mut(idx).cacheable = false;
+        self.abort(rid, message)
     }
 
     /// Empties the prefix cache. Only when nothing is queued, running or in flight.

@@ -34,6 +34,8 @@ enum Op {
     },
     Step,
     Abort(usize),
+    /// A step including this request failed: it is aborted and its KV never cached.
+    Fail(usize),
     Finish(usize),
     Flush,
 }
@@ -47,6 +49,7 @@ fn op() -> impl Strategy<Value = Op> {
         ),
         8 => Just(Op::Step),
         1 => (0usize..64).prop_map(Op::Abort),
+        1 => (0usize..64).prop_map(Op::Fail),
         1 => (0usize..64).prop_map(Op::Finish),
         1 => Just(Op::Flush),
     ]
@@ -293,6 +296,17 @@ fn run(setup: Setup, ops: Vec<Op>) {
                     }
                 }
             }
+            Op::Fail(pick) => {
+                if let Some(rid) = d.live_rid(pick) {
+                    let status = d.s.fail(rid, "step failed".into());
+                    d.check();
+                    assert_ne!(status, AbortStatus::Unknown);
+                    if status == AbortStatus::Removed {
+                        d.finished
+                            .insert(rid, FinishReason::Abort("step failed".into()));
+                    }
+                }
+            }
             Op::Finish(pick) => {
                 if let Some(rid) = d.live_rid(pick) {
                     assert!(d.s.finish(rid, "stop".into()));
@@ -380,7 +394,10 @@ fn run(setup: Setup, ops: Vec<Op>) {
             }
             FinishReason::StopString(_) => assert!(d.stopped_by_caller.contains(&rid)),
             // Only the caller aborts: the scheduler itself never gives up on a request.
-            FinishReason::Abort(m) => assert!(m == "test" && out.len() <= max_new, "{rid}: {m}"),
+            FinishReason::Abort(m) => assert!(
+                (m == "test" || m == "step failed") && out.len() <= max_new,
+                "{rid}: {m}"
+            ),
         }
     }
 }
@@ -492,4 +509,46 @@ fn a_lone_decoder_waits_for_memory_held_by_an_in_flight_request() {
         },
     ];
     run(setup, ops);
+}
+
+/// Runs one request's prefill, aborting it with `abort_or_fail` while the step is in flight,
+/// then returns how many prompt tokens a second request with the same prompt finds cached.
+fn cached_after_in_flight_abort(fail: bool) -> usize {
+    let mut s = Scheduler::new(SchedulerConfig {
+        max_total_tokens: 256,
+        context_len: 128,
+        eos_token_ids: vec![EOS],
+        ..SchedulerConfig::default()
+    })
+    .expect("valid config");
+    let prompt: Vec<u32> = (1..=40).collect();
+    let limits = SamplingLimits {
+        max_new_tokens: 8,
+        min_new_tokens: 0,
+        stop_token_ids: vec![],
+        ignore_eos: true,
+        priority: 0,
+    };
+    s.add_request(1, prompt.clone(), limits.clone()).expect("fits");
+    let plan = s.schedule();
+    assert_eq!(plan.rids, vec![1]);
+    let status = if fail {
+        s.fail(1, "step failed".into())
+    } else {
+        s.abort(1, "test".into())
+    };
+    assert_eq!(status, AbortStatus::Deferred);
+    let out = s.commit(plan.id, &[7]).expect("commit");
+    assert!(out.tokens.is_empty(), "an aborted request's token is dropped");
+    assert!(matches!(out.finished[0].reason, FinishReason::Abort(_)));
+    s.check().expect("integrity");
+    s.add_request(2, prompt, limits).expect("fits");
+    let _ = s.schedule();
+    s.request(2).expect("live").cached_tokens
+}
+
+#[test]
+fn a_request_whose_step_failed_leaves_nothing_in_the_prefix_cache() {
+    assert!(cached_after_in_flight_abort(false) > 0, "an abort caches the computed prefix");
+    assert_eq!(cached_after_in_flight_abort(true), 0);
 }

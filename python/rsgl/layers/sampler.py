@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rsgl.layers.sampling_params import GREEDY_TEMPERATURE, SamplingParams
+from rsgl.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 _MASK64 = (1 << 63) - 1
 
@@ -20,6 +20,8 @@ class SampleOutput:
     token_logprobs: torch.Tensor | None = None  # [B] float32
     top_logprob_ids: torch.Tensor | None = None  # [B, N] int64 (N = largest request)
     top_logprobs: torch.Tensor | None = None  # [B, N] float32
+    # Log-probabilities of each request's `token_ids_logprob` ([B, K], K = longest list).
+    token_ids_logprobs: torch.Tensor | None = None
 
 
 class SlotSamplingState:
@@ -65,6 +67,11 @@ class SlotSamplingState:
         self.output_len = zeros(torch.int64)
         # Stop ids masked until min_new_tokens: [n, K], -1 padded; K grows on demand.
         self.stop_ids = torch.full((n, 1), -1, dtype=torch.int64, device=device)
+        # logit_bias as (token id, bias) pairs, and token_ids_logprob: [n, K], -1 padded.
+        self.bias_ids = torch.full((n, 1), -1, dtype=torch.int64, device=device)
+        self.bias_values = torch.zeros((n, 1), dtype=torch.float32, device=device)
+        self.has_bias = zeros(torch.bool)
+        self.logprob_ids = torch.full((n, 1), -1, dtype=torch.int64, device=device)
         self.output_counts: torch.Tensor | None = None  # [n, vocab] int32, lazily
         self.prompt_mask: torch.Tensor | None = None  # [n, vocab] bool, lazily
 
@@ -98,12 +105,11 @@ class SlotSamplingState:
         stops = list(params.stop_token_ids)
         if not params.ignore_eos:
             stops += [t for t in self.eos_token_ids if t not in stops]
-        if len(stops) > self.stop_ids.shape[1]:
-            pad = len(stops) - self.stop_ids.shape[1]
-            self.stop_ids = torch.nn.functional.pad(self.stop_ids, (0, pad), value=-1)
-        self.stop_ids[s] = -1
-        if stops:
-            self.stop_ids[s, : len(stops)] = torch.tensor(stops, dtype=torch.int64)
+        self.stop_ids = _set_row(self.stop_ids, s, stops, -1)
+        self.has_bias[s] = bool(params.logit_bias)
+        self.bias_ids = _set_row(self.bias_ids, s, list(params.logit_bias), -1)
+        self.bias_values = _set_row(self.bias_values, s, list(params.logit_bias.values()), 0)
+        self.logprob_ids = _set_row(self.logprob_ids, s, params.token_ids_logprob, -1)
 
         if params.has_penalties or self.output_counts is not None:
             counts, prompt_mask = self._penalty_buffers()
@@ -164,6 +170,8 @@ class Sampler:
         raw = logits
         if bool(state.penalized[req_slots].any()):
             logits = apply_penalties(logits, state, req_slots)
+        if bool(state.has_bias[req_slots].any()):
+            logits = apply_logit_bias(logits, state, req_slots)
         logits = self._mask_stop_ids(logits, state, req_slots)
 
         greedy = state.greedy[req_slots]
@@ -200,6 +208,9 @@ class Sampler:
             if n:
                 top = logprobs.topk(n, dim=-1)
                 out.top_logprobs, out.top_logprob_ids = top.values, top.indices
+            ids = state.logprob_ids[req_slots]
+            if bool((ids >= 0).any()):
+                out.token_ids_logprobs = logprobs.gather(1, ids.clamp(min=0))
         return out
 
     @staticmethod
@@ -215,6 +226,28 @@ class Sampler:
         logits = logits.clone()
         logits[rows.unsqueeze(1).expand_as(ids)[valid], ids[valid]] = float("-inf")
         return logits
+
+
+def apply_logit_bias(
+    logits: torch.Tensor, state: SlotSamplingState, req_slots: torch.Tensor
+) -> torch.Tensor:
+    """Adds each request's logit_bias to its row."""
+    ids = state.bias_ids[req_slots]
+    valid = ids >= 0
+    rows = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1).expand_as(ids)
+    values = state.bias_values[req_slots]
+    return logits.index_put((rows[valid], ids[valid]), values[valid], accumulate=True)
+
+
+def _set_row(table: torch.Tensor, row: int, values: Sequence[float], pad: float) -> torch.Tensor:
+    """Writes `values` into `table[row]` (padded with `pad`), widening the table if needed;
+    returns the table (a new one when it grew)."""
+    if len(values) > table.shape[1]:
+        table = torch.nn.functional.pad(table, (0, len(values) - table.shape[1]), value=pad)
+    table[row] = pad
+    if values:
+        table[row, : len(values)] = torch.tensor(list(values), dtype=table.dtype)
+    return table
 
 
 def apply_penalties(

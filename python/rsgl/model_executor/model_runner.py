@@ -10,11 +10,11 @@ import torch
 
 from rsgl.layers.attention import AttentionBackend, create_attention_backend
 from rsgl.layers.sampler import SampleOutput, Sampler, SlotSamplingState
-from rsgl.layers.sampling_params import SamplingParams
 from rsgl.model_executor.forward_batch import ForwardBatch, ForwardMode, PlanLike
 from rsgl.model_executor.future_map import FutureMap
 from rsgl.model_executor.kv_cache import KVCache, ReqToTokenPool, resolve_kv_cache_dtype
 from rsgl.models.loader import LoadedModel, load_model
+from rsgl.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -22,11 +22,16 @@ from typing import Any
 import numpy as np
 
 from rsgl._core import Plan, Scheduler
-from rsgl.layers.sampling_params import SamplingParams
 from rsgl.model_executor.model_runner import ModelRunner, StepOutput
+from rsgl.sampling_params import SamplingParams
+from rsgl.scheduler.fault_injection import FaultInjector, InjectedFault
 from rsgl.tokenizer.detokenizer import Decoder, IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
+
+# A step that raises aborts its requests and the loop goes on; this many failures in a row
+# (no step succeeding in between) mean the model state is broken, and the loop stops.
+MAX_CONSECUTIVE_STEP_FAILURES = 8
 
 # An update for one request: (text delta, new token ids, finished meta_info or None).
 Deliver = Callable[[str, list[int], dict[str, Any] | None], None]
@@ -55,6 +60,10 @@ class _Launched:
     result: Future[StepOutput]
 
 
+class StepFailed(RuntimeError):
+    """Too many steps failed in a row: the loop stops (see MAX_CONSECUTIVE_STEP_FAILURES)."""
+
+
 class SchedulerLoop:
     """Drives `core` and `runner`; requests and commands arrive through a queue.
 
@@ -64,6 +73,11 @@ class SchedulerLoop:
     delivers token ids only and the caller reports stop strings with `finish` (the server,
     whose frontend process detokenizes). `on_step_end` runs after each step's results have
     been delivered (the server flushes one message per step there).
+
+    Faults are isolated: a step whose execution raises aborts exactly the requests in it
+    (finish_reason abort with status_code 500 and the error; their KV is released and never
+    cached) and the loop serves everyone else; `step_failures` counts such steps. Only a run
+    of failures with no success between them stops the loop.
     """
 
     def __init__(
@@ -89,6 +103,9 @@ class SchedulerLoop:
         self._stopping = False
         self.error: BaseException | None = None
         self.steps = 0
+        self.step_failures = 0
+        self._failures_in_a_row = 0
+        self._faults = FaultInjector.from_env()
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -146,7 +163,7 @@ class SchedulerLoop:
         def add_or_report() -> None:
             try:
                 add()
-            except ValueError as exc:
+            except Exception as exc:  # noqa: BLE001 - one bad request must not stop the loop
                 meta = _meta(rid, {"type": "abort", "message": f"invalid request: {exc}"})
                 meta["prompt_tokens"] = len(prompt_ids)
                 deliver("", [], meta)
@@ -164,6 +181,13 @@ class SchedulerLoop:
         """On the loop thread: registers a request with the core and here."""
         if rid in self._by_rid:
             raise ValueError(f"request id {rid!r} is already in use")
+        if params.max_new_tokens == 0:
+            # Nothing to generate: the request is over before it starts (the core only
+            # takes requests that generate).
+            meta = _meta(rid, {"type": "length", "length": 0})
+            meta["prompt_tokens"] = len(prompt_ids)
+            deliver("", [], meta)
+            return
         core_id = self._next_core_id
         self.core.add_request(
             core_id,
@@ -269,7 +293,9 @@ class SchedulerLoop:
                 nxt = None
                 if plan.forward_mode != "idle":
                     admissions = self._admissions(plan)
-                    nxt = _Launched(plan, self._stream.submit(self._execute, plan, admissions))
+                    fault = self._planted_fault(plan)
+                    result = self._stream.submit(self._execute, plan, admissions, fault)
+                    nxt = _Launched(plan, result)
                     self.steps += 1
                 if launched is not None:
                     self._process(launched)
@@ -298,17 +324,64 @@ class SchedulerLoop:
             out.append((slot_of[core_id], req.params, req.prompt_ids, list(req.output_ids)))
         return out
 
+    def _planted_fault(self, plan: Plan) -> str | None:
+        if self._faults is None:
+            return None
+        return self._faults.fault_for(self._requests[i].rid for i in plan.rids.tolist())
+
     def _execute(
-        self, plan: Plan, admissions: list[tuple[int, SamplingParams, list[int], list[int]]]
+        self,
+        plan: Plan,
+        admissions: list[tuple[int, SamplingParams, list[int], list[int]]],
+        fault: str | None = None,
     ) -> StepOutput:
         """On the stream: admit new slots, then run the step (in launch order)."""
         for slot, params, prompt_ids, output_ids in admissions:
             self.runner.admit(slot, params, prompt_ids, output_ids)
+        if fault is not None:
+            raise InjectedFault(fault)
         return self.runner.step(plan)
+
+    def _fail_step(self, plan: Plan, exc: Exception) -> None:
+        """A step raised: its requests end with the error; nothing it wrote is kept."""
+        self.step_failures += 1
+        self._failures_in_a_row += 1
+        if self._failures_in_a_row >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise StepFailed(f"{self._failures_in_a_row} steps failed in a row") from exc
+        core_ids = plan.rids.tolist()
+        logger.error(
+            "step %d (%s, %d requests) failed; aborting its requests",
+            plan.id,
+            plan.forward_mode,
+            len(core_ids),
+            exc_info=exc,
+        )
+        message = f"the step running this request failed: {exc!r}"
+        for core_id in core_ids:
+            self.core.fail(core_id, message)
+        # Every request of the plan is finished now, so the commit drops these tokens; it
+        # releases (uncached) those no later in-flight step still reads.
+        outcome = self.core.commit(plan.id, np.zeros(len(core_ids), dtype=np.int64))
+        failed = set(core_ids)
+        for f in outcome.finished:
+            req = self._requests.get(f.rid)
+            if req is None:
+                continue
+            reason = dict(f.finish_reason)
+            if f.rid in failed:
+                reason.update(status_code=500, err_type="InternalServerError")
+            self._complete(req, reason, cached_tokens=f.cached_tokens)
+        if self.on_step_end is not None:
+            self.on_step_end()
 
     def _process(self, launched: _Launched) -> None:
         """Reads a step's tokens, commits them, streams text and finishes requests."""
-        out = launched.result.result()
+        try:
+            out = launched.result.result()
+        except Exception as exc:  # noqa: BLE001 - isolated: only this step's requests fail
+            self._fail_step(launched.plan, exc)
+            return
+        self._failures_in_a_row = 0
         tokens = out.next_token_ids.cpu().numpy()
         outcome = self.core.commit(launched.plan.id, tokens)
         index = None
@@ -400,5 +473,10 @@ def _logprob_entry(out: StepOutput, i: int, params: SamplingParams, token: int) 
         entry["top_logprobs"] = [
             {"token_id": int(t), "logprob": float(lp)}
             for t, lp in zip(s.top_logprob_ids[i, :n].tolist(), s.top_logprobs[i, :n].tolist())
+        ]
+    if params.token_ids_logprob and s.token_ids_logprobs is not None:
+        values = s.token_ids_logprobs[i, : len(params.token_ids_logprob)].tolist()
+        entry["token_ids_logprob"] = [
+            {"token_id": t, "logprob": float(lp)} for t, lp in zip(params.token_ids_logprob, values)
         ]
     return entry

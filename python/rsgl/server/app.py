@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -15,9 +14,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rsgl.engine import make_sampling_params
-from rsgl.layers.sampling_params import SamplingParams
+from rsgl.errors import InvalidRequest
+from rsgl.sampling_params import SamplingParams
+from rsgl.server.body_limit import BodyLimitMiddleware
 from rsgl.server.frontend import EngineUnavailable, Frontend, ReqState, Update
 from rsgl.server.protocol import (
     AbortBody,
@@ -29,10 +30,33 @@ from rsgl.server.protocol import (
     sum_usage,
     usage,
 )
+from rsgl.validation import (
+    DEFAULT_MAX_NEW_TOKENS,
+    RequestLimits,
+    check_int64,
+    check_messages,
+    check_prompt,
+    make_sampling_params,
+)
 
 OPEN_PATHS = {"/health", "/health_generate", "/metrics"}
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 DISCONNECT_POLL_S = 0.25
+DEFAULT_MAX_REQUEST_BYTES = 32 << 20
+
+# How the OpenAI APIs spell the sampling fields an error may name.
+COMPLETION_PARAMS = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "top_logprobs": "logprobs",
+    "top_logprobs_num": "logprobs",
+    "logprobs": "logprobs",
+}
+CHAT_PARAMS = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "top_logprobs_num": "top_logprobs",
+}
 
 
 @dataclass
@@ -42,8 +66,7 @@ class ServerState:
     frontend: Frontend
     tokenizer: Any
     model_name: str
-    context_length: int
-    max_prompt_len: int
+    limits: RequestLimits
     api_key: str | None = None
     is_alive: Callable[[], bool] = lambda: True
     created: int = field(default_factory=lambda: int(time.time()))
@@ -69,9 +92,12 @@ class StateHolder:
     state: ServerState | None = None
 
 
-def create_app(holder: StateHolder, lifespan: Any = None) -> FastAPI:
+def create_app(
+    holder: StateHolder, lifespan: Any = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+) -> FastAPI:
     """Builds the app; `lifespan` fills `holder` before the first request."""
     app = FastAPI(title="rsgl", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
 
     def st() -> ServerState:
         assert holder.state is not None, "the server has not finished starting"
@@ -81,12 +107,30 @@ def create_app(holder: StateHolder, lifespan: Any = None) -> FastAPI:
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
 
+    @app.exception_handler(InvalidRequest)
+    async def invalid_request(_: Request, exc: InvalidRequest) -> JSONResponse:
+        return JSONResponse(bad_request(exc.message, exc.param).body(), status_code=400)
+
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            # Its loc is a byte offset, not a parameter.
+            where = first.get("loc", ("body", "?"))[-1]
+            message = f"the request body is not valid JSON (at byte {where}): {first.get('msg')}"
+            return JSONResponse(bad_request(message).body(), status_code=400)
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        message = f"invalid request: {param}: {first.get('msg', 'invalid value')}"
+        message = f"invalid request: {param or 'body'}: {first.get('msg', 'invalid value')}"
         return JSONResponse(bad_request(message, param).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Starlette's own refusals (unknown path, wrong method, an unreadable body).
+        kind = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(
+            exc.status_code, "BadRequestError"
+        )
+        err = ApiError(exc.status_code, str(exc.detail), kind)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def internal(_: Request, exc: Exception) -> JSONResponse:
@@ -115,41 +159,40 @@ def create_app(holder: StateHolder, lifespan: Any = None) -> FastAPI:
                 "model_not_found",
             )
 
-    def check_prompt(ids: list[int]) -> None:
-        if not ids:
-            raise bad_request("the prompt is empty", "prompt")
-        if len(ids) >= st().context_length:
-            raise bad_request(
-                f"This model's maximum context length is {st().context_length} tokens. However, "
-                f"your prompt has {len(ids)} tokens. Please reduce the length of the prompt.",
-                "prompt",
-            )
-        if len(ids) > st().max_prompt_len:
-            raise bad_request(
-                f"the prompt has {len(ids)} tokens, but the KV cache holds prompts of at most "
-                f"{st().max_prompt_len} tokens",
-                "prompt",
-            )
-
-    def params_of(raw: dict[str, Any]) -> tuple[SamplingParams, int]:
+    def sampling(
+        raw: dict[str, Any],
+        ids: list[int],
+        names: dict[str, str],
+        default_max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS,
+    ) -> tuple[SamplingParams, int]:
+        """Validated SamplingParams and `n`; errors name the fields as the API spells them."""
         try:
-            return make_sampling_params(raw)
-        except ValueError as exc:
-            m = re.search(r"parameter (\w+)", str(exc))
-            raise bad_request(str(exc), m.group(1) if m else None) from exc
+            return make_sampling_params(
+                raw,
+                st().limits,
+                len(ids),
+                default_max_new_tokens=default_max_new_tokens,
+                max_tokens_param=names.get("max_new_tokens", "max_new_tokens"),
+            )
+        except InvalidRequest as exc:
+            param = names.get(exc.param, exc.param) if exc.param else None
+            raise InvalidRequest(exc.message, param) from exc
+
+    def encode(text: str) -> list[int]:
+        return [int(t) for t in st().tokenizer.encode(text)]
 
     async def start(
-        prompts: list[list[int]], params: SamplingParams, n: int, rid: str | None, priority: int
+        jobs: list[tuple[list[int], SamplingParams]], n: int, rid: str | None, priority: int
     ) -> list[Choice]:
-        for ids in prompts:
-            check_prompt(ids)
+        """Submits `n` copies of every validated (prompt, params) job."""
+        check_int64(priority, "priority")
         base = rid or uuid.uuid4().hex
         choices: list[Choice] = []
         try:
-            for i, ids in enumerate(prompts):
+            for i, (ids, params) in enumerate(jobs):
                 for k in range(n):
                     index = i * n + k
-                    sub = base if len(prompts) * n == 1 else f"{base}-{index}"
+                    sub = base if len(jobs) * n == 1 else f"{base}-{index}"
                     state = await st().frontend.submit(sub, ids, params, priority)
                     choices.append(Choice(index, i, state))
         except EngineUnavailable as exc:
@@ -186,26 +229,44 @@ def create_app(holder: StateHolder, lifespan: Any = None) -> FastAPI:
         if not work.done():
             for c in choices:
                 st().frontend.abort(c.state.rid, "the client disconnected")
-        return list(await work)
+        results = list(await work)
+        for _, u in results:
+            raise_if_failed(u.meta)
+        return results
+
+    def raise_if_failed(meta: dict[str, Any] | None) -> None:
+        """A request the server ended on its own (a failed step, a timeout) is an error."""
+        reason = (meta or {}).get("finish_reason") or {}
+        status = reason.get("status_code")
+        if reason.get("type") == "abort" and status is not None:
+            kind = str(reason.get("err_type") or "InternalServerError")
+            raise ApiError(int(status), str(reason.get("message", "")), kind)
 
     async def merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, Update]]:
-        """Updates of all choices as they come (one consumer task per choice)."""
+        """Updates of all choices as they come (one consumer task per choice). A choice the
+        server ended on its own raises ApiError (the stream reports it)."""
+        st().frontend.watch_stream([c.state for c in choices])
         if len(choices) == 1:
             async for u in st().frontend.updates(choices[0].state):
+                raise_if_failed(u.meta)
                 yield choices[0], u
             return
-        out: asyncio.Queue[tuple[Choice, Update] | None] = asyncio.Queue()
+        # Bounded, so a client that stops reading backs up into the per-request outboxes,
+        # where the frontend notices the stall.
+        out: asyncio.Queue[tuple[Choice, Update]] = asyncio.Queue(maxsize=len(choices))
 
         async def pump(c: Choice) -> None:
             async for u in st().frontend.updates(c.state):
                 await out.put((c, u))
 
         tasks = [asyncio.ensure_future(pump(c)) for c in choices]
-        done = asyncio.ensure_future(asyncio.gather(*tasks))
-        done.add_done_callback(lambda _: out.put_nowait(None))
+        open_choices = len(choices)
         try:
-            while (item := await out.get()) is not None:
-                yield item
+            while open_choices:
+                c, u = await out.get()
+                raise_if_failed(u.meta)
+                open_choices -= u.meta is not None
+                yield c, u
         finally:
             for t in tasks:
                 t.cancel()
@@ -300,7 +361,7 @@ def create_app(holder: StateHolder, lifespan: Any = None) -> FastAPI:
                     "object": "model",
                     "created": st().created,
                     "owned_by": "rsgl",
-                    "max_model_len": st().context_length,
+                    "max_model_len": st().limits.context_length,
                 }
             ],
         }
@@ -308,18 +369,17 @@ def create_app(holder: StateHolder, lifespan: Any = None) -> FastAPI:
     @app.post("/v1/completions", response_model=None)
     async def completions(req: CompletionRequest, request: Request) -> Any:
         check_model(req.model)
-        raw = req.sampling_params(req.max_tokens, 16)
-        raw["n"] = req.n
-        if req.logprobs is not None:
-            raw["logprobs"] = True
-            raw["top_logprobs"] = req.logprobs
-        params, n = params_of(raw)
         p: Any = req.prompt
         prompts: list[Any] = [p] if isinstance(p, str) or _is_ids(p) else list(p)
         if not prompts:
             raise bad_request("the prompt is empty", "prompt")
-        ids = [list(st().tokenizer.encode(x)) if isinstance(x, str) else list(x) for x in prompts]
-        choices = await start(ids, params, n, req.rid, req.priority)
+        ids = [check_prompt(encode(x) if isinstance(x, str) else x, st().limits) for x in prompts]
+        raw = req.sampling_params()
+        raw.update(n=req.n, max_new_tokens=req.max_tokens)
+        if req.logprobs is not None:
+            raw.update(logprobs=True, top_logprobs=req.logprobs)
+        jobs = [(x, sampling(raw, x, COMPLETION_PARAMS)[0]) for x in ids]
+        choices = await start(jobs, req.n, req.rid, req.priority)
         if req.echo:
             for c in choices:
                 x = prompts[c.prompt_index]
@@ -382,24 +442,27 @@ def create_app(holder: StateHolder, lifespan: Any = None) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
         check_model(req.model)
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        raw = req.sampling_params(max_tokens, st().context_length)
-        raw["n"] = req.n
-        if req.logprobs:
-            raw["logprobs"] = True
-            raw["top_logprobs"] = req.top_logprobs or 0
-        params, n = params_of(raw)
+        messages = check_messages(req.messages)
         try:
-            ids = st().tokenizer.apply_chat_template(
-                req.messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            templated = st().tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
             )
         except Exception as exc:
             raise bad_request(f"invalid messages: {exc}", "messages") from exc
-        prompt_ids = [int(t) for t in ids]
+        prompt_ids = check_prompt([int(t) for t in templated], st().limits, "messages")
+        max_tokens = req.max_completion_tokens
+        names = dict(CHAT_PARAMS)
         if max_tokens is None:
-            # No limit given: whatever the context leaves.
-            params.max_new_tokens = max(1, st().context_length - len(prompt_ids))
-        choices = await start([prompt_ids], params, n, req.rid, req.priority)
+            max_tokens = req.max_tokens
+        else:
+            names["max_new_tokens"] = "max_completion_tokens"
+        raw = req.sampling_params()
+        # No limit given: whatever the context leaves.
+        raw.update(n=req.n, max_new_tokens=max_tokens)
+        if req.logprobs:
+            raw.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
+        params, n = sampling(raw, prompt_ids, names)
+        choices = await start([(prompt_ids, params)], n, req.rid, req.priority)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
 
@@ -460,9 +523,12 @@ def create_app(holder: StateHolder, lifespan: Any = None) -> FastAPI:
     async def generate(req: GenerateRequest, request: Request) -> Any:
         if (req.text is None) == (req.input_ids is None):
             raise bad_request("give exactly one of text or input_ids", "text")
-        params, n = params_of(req.sampling_params or {})
-        ids = st().tokenizer.encode(req.text) if req.text is not None else list(req.input_ids or [])
-        choices = await start([ids], params, n, req.rid, 0)
+        if req.text is not None:
+            ids = check_prompt(encode(req.text), st().limits, "text")
+        else:
+            ids = check_prompt(req.input_ids, st().limits, "input_ids")
+        params, n = sampling(req.sampling_params or {}, ids, {})
+        choices = await start([(ids, params)], n, req.rid, 0)
 
         def native(u: Update) -> dict[str, Any]:
             out: dict[str, Any] = {"text": u.text, "output_ids": u.token_ids}
@@ -507,7 +573,8 @@ def create_app(holder: StateHolder, lifespan: Any = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        ok = st().frontend.healthy and st().is_alive()
+        f = st().frontend
+        ok = f.healthy and not f.draining and st().is_alive()
         return Response(status_code=200 if ok else 503)
 
     @app.get("/health_generate")

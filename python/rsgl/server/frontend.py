@@ -20,7 +20,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from rsgl.layers.sampling_params import SamplingParams
+from rsgl.sampling_params import SamplingParams
 from rsgl.server import ipc
 from rsgl.server.metrics import ServerMetrics
 from rsgl.tokenizer.detokenizer import Decoder, IncrementalDetokenizer
@@ -28,6 +28,10 @@ from rsgl.tokenizer.detokenizer import Decoder, IncrementalDetokenizer
 logger = logging.getLogger("rsgl.server")
 
 STATS_LOG_INTERVAL_S = 10.0
+# How often deadlines and stalled streams are looked at.
+TIMER_INTERVAL_S = 0.25
+# Updates a streaming request may have waiting for its client before the stall clock starts.
+STREAM_BACKLOG_LIMIT = 64
 
 
 @dataclass(slots=True)
@@ -51,6 +55,11 @@ class ReqState:
     created: float = field(default_factory=time.perf_counter)
     last_token: float | None = None
     completion_tokens: int = 0
+    # When the server gives up on it (--request-timeout-s).
+    deadline: float | None = None
+    # The HTTP response streaming it, and since when its client has not kept up.
+    stream_task: asyncio.Task[Any] | None = None
+    stalled_since: float | None = None
 
 
 class EngineUnavailable(RuntimeError):
@@ -70,6 +79,8 @@ class Frontend:
         *,
         max_queued_requests: int | None = None,
         log_requests: bool = False,
+        request_timeout_s: float | None = None,
+        stream_stall_timeout_s: float = 30.0,
     ) -> None:
         self.tokenizer = tokenizer
         self.info = info
@@ -78,9 +89,13 @@ class Frontend:
         self.events = events
         self.max_queued_requests = max_queued_requests
         self.log_requests = log_requests
+        self.request_timeout_s = request_timeout_s
+        self.stream_stall_timeout_s = stream_stall_timeout_s
         self.pending: dict[str, ReqState] = {}
         self.stats: dict[str, Any] = {}
         self.healthy = True
+        # Set by a graceful shutdown: new requests are refused, running ones finish.
+        self.draining = False
         self._flushes: dict[int, asyncio.Future[bool]] = {}
         self._tokens = itertools.count()
         self._last_log = time.perf_counter()
@@ -94,6 +109,8 @@ class Frontend:
         """Sends a request; raises EngineUnavailable when unhealthy or the queue is full."""
         if not self.healthy:
             raise EngineUnavailable("the engine is not healthy")
+        if self.draining:
+            raise EngineUnavailable("the server is shutting down")
         if self.max_queued_requests is not None:
             waiting = sum(1 for s in self.pending.values() if s.last_token is None)
             if waiting >= self.max_queued_requests:
@@ -106,6 +123,8 @@ class Frontend:
             self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens
         )
         state = ReqState(rid, prompt_ids, params, detok)
+        if self.request_timeout_s is not None:
+            state.deadline = state.created + self.request_timeout_s
         self.pending[rid] = state
         wire = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
         self._send(ipc.AddRequest(rid, prompt_ids, wire, priority))
@@ -128,15 +147,69 @@ class Frontend:
             if not finished:
                 self.abort(state.rid, "the client disconnected")
 
-    def abort(self, rid: str, message: str = "aborted by the client") -> bool:
-        """Aborts a pending request; it finishes with finish_reason abort."""
+    def watch_stream(self, states: list[ReqState]) -> None:
+        """The current task streams these requests to a client: if that client stops
+        reading, the requests are aborted and the task cancelled (which closes the
+        connection) after the stall timeout."""
+        task = asyncio.current_task()
+        for state in states:
+            state.stream_task = task
+
+    def abort(
+        self,
+        rid: str,
+        message: str = "aborted by the client",
+        status_code: int | None = None,
+        err_type: str | None = None,
+    ) -> bool:
+        """Aborts a pending request; it finishes with finish_reason abort. A `status_code`
+        marks an abort the server decided (a timeout): the client gets it as an error."""
         state = self.pending.pop(rid, None)
         if state is None:
             return False
         self._send(ipc.AbortRequest(rid, message))
-        meta = self._meta(state, {"type": "abort", "message": message})
+        reason: dict[str, Any] = {"type": "abort", "message": message}
+        if status_code is not None:
+            reason.update(status_code=status_code, err_type=err_type)
+        meta = self._meta(state, reason)
         self._finish(state, Update(state.detok.finish(), [], meta))
         return True
+
+    async def drain(self, timeout_s: float) -> None:
+        """Graceful shutdown: refuse new requests, wait up to `timeout_s` for the pending
+        ones to finish, then abort what is left."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        logger.info("draining %d requests (at most %.0f s)", len(self.pending), timeout_s)
+        while self.pending and loop.time() < deadline:
+            await asyncio.sleep(TIMER_INTERVAL_S)
+        if self.pending:
+            logger.info("aborting %d requests still running", len(self.pending))
+        self.abort_all("the server is shutting down")
+
+    async def run_timers(self) -> None:
+        """Aborts requests past their deadline and streams whose client stopped reading."""
+        while True:
+            await asyncio.sleep(TIMER_INTERVAL_S)
+            self.expire(time.perf_counter())
+
+    def expire(self, now: float) -> None:
+        """One pass of `run_timers` at time `now`."""
+        for rid, state in list(self.pending.items()):
+            if state.deadline is not None and now > state.deadline:
+                message = (
+                    f"the request ran longer than the server's limit of {self.request_timeout_s} s"
+                )
+                self.abort(rid, message, 504, "TimeoutError")
+            elif (
+                state.stalled_since is not None
+                and now - state.stalled_since > self.stream_stall_timeout_s
+            ):
+                logger.warning("request %s: its client stopped reading; aborting it", rid)
+                self.abort(rid, "the client stopped reading the stream", 408, "TimeoutError")
+                if state.stream_task is not None:
+                    state.stream_task.cancel()
 
     async def flush_cache(self) -> bool:
         token = next(self._tokens)
@@ -212,6 +285,11 @@ class Frontend:
             self._finish(state, Update("".join(text), ids, meta))
         else:
             state.queue.put_nowait(Update("".join(text), ids))
+            if state.stream_task is not None and state.queue.qsize() > STREAM_BACKLOG_LIMIT:
+                if state.stalled_since is None:
+                    state.stalled_since = now
+            else:
+                state.stalled_since = None
 
     def _meta(self, state: ReqState, reason: dict[str, Any]) -> dict[str, Any]:
         return {

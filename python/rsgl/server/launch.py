@@ -14,6 +14,7 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
+import signal
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -27,7 +28,7 @@ from fastapi import FastAPI
 from rsgl.engine import EngineArgs
 from rsgl.model_executor.kv_cache import KV_CACHE_DTYPES
 from rsgl.server import ipc
-from rsgl.server.app import ServerState, StateHolder, create_app
+from rsgl.server.app import DEFAULT_MAX_REQUEST_BYTES, ServerState, StateHolder, create_app
 from rsgl.server.frontend import Frontend
 from rsgl.server.metrics import ServerMetrics
 from rsgl.server.scheduler_process import run_scheduler_process
@@ -49,6 +50,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--max-queued-requests", type=int, default=None)
     p.add_argument("--log-requests", action="store_true")
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="largest request body accepted (413 beyond it)",
+    )
+    p.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=None,
+        help="abort requests running longer than this (off by default)",
+    )
+    p.add_argument(
+        "--stream-stall-timeout-s",
+        type=float,
+        default=30.0,
+        help="abort a stream whose client has not read its output for this long",
+    )
+    p.add_argument(
+        "--graceful-shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, how long in-flight requests may take to finish",
+    )
+    p.add_argument(
+        "--allow-auto-truncate",
+        action="store_true",
+        help="clamp max_tokens to what the context leaves instead of answering 400",
+    )
+    p.add_argument("--max-n", type=int, default=128, help="largest n a request may ask for")
+    p.add_argument("--max-logprobs", type=int, default=20, help="largest (top_)logprobs")
+    p.add_argument("--max-stop-strings", type=int, default=64, help="stop strings per request")
+    p.add_argument(
+        "--max-stop-string-len", type=int, default=1024, help="characters per stop string"
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
     p.add_argument(
@@ -80,14 +116,31 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn, but a signal first aborts in-flight requests so their streams end cleanly."""
+    """uvicorn with a graceful drain: the first SIGTERM refuses new requests (503) and lets
+    in-flight ones finish for up to `drain_timeout_s`, then aborts the rest and exits 0. A
+    second SIGTERM, or SIGINT, aborts in-flight requests at once."""
 
     frontend: Frontend | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+    drain_timeout_s: float = 30.0
+    _draining = False
 
     def handle_exit(self, sig: int, frame: Any) -> None:
+        if sig == signal.SIGTERM and not self._draining and self.loop and self.frontend:
+            self._draining = True
+            logger.info("SIGTERM: draining in-flight requests, then shutting down")
+            self.loop.call_soon_threadsafe(asyncio.ensure_future, self._drain_then_exit())
+            return
         if self.frontend is not None:
             self.frontend.abort_all("the server is shutting down")
         super().handle_exit(sig, frame)
+
+    async def _drain_then_exit(self) -> None:
+        assert self.frontend is not None
+        await self.frontend.drain(self.drain_timeout_s)
+        # Not through handle_exit: uvicorn would re-raise the signal after shutting down,
+        # and a drained server exits 0.
+        self.should_exit = True
 
 
 def make_app(ns: argparse.Namespace, server: _Server | None = None) -> FastAPI:
@@ -129,20 +182,26 @@ def make_app(ns: argparse.Namespace, server: _Server | None = None) -> FastAPI:
             events,
             max_queued_requests=ns.max_queued_requests,
             log_requests=ns.log_requests,
+            request_timeout_s=ns.request_timeout_s,
+            stream_stall_timeout_s=ns.stream_stall_timeout_s,
         )
         state = ServerState(
             frontend=frontend,
             tokenizer=tokenizer,
             model_name=model_name,
-            context_length=int(info["context_length"]),
-            max_prompt_len=int(info["max_prompt_len"]),
+            limits=args.request_limits(
+                int(info["vocab_size"]), int(info["context_length"]), int(info["max_prompt_len"])
+            ),
             api_key=ns.api_key,
             is_alive=proc.is_alive,
         )
         holder.state = state
         if server is not None:
             server.frontend = frontend
+            server.loop = asyncio.get_running_loop()
+            server.drain_timeout_s = ns.graceful_shutdown_timeout
         events_task = asyncio.ensure_future(frontend.run_events())
+        timers_task = asyncio.ensure_future(frontend.run_timers())
         watchdog = asyncio.ensure_future(_watchdog(proc, frontend, server))
         logger.info("rsgl is ready on http://%s:%d (model %s)", ns.host, ns.port, model_name)
         try:
@@ -150,6 +209,7 @@ def make_app(ns: argparse.Namespace, server: _Server | None = None) -> FastAPI:
         finally:
             frontend.abort_all("the server is shutting down")
             watchdog.cancel()
+            timers_task.cancel()
             if proc.is_alive():
                 await commands.send(ipc.encoder.encode(ipc.Shutdown()))
                 await asyncio.get_running_loop().run_in_executor(None, proc.join, 30)
@@ -165,7 +225,7 @@ def make_app(ns: argparse.Namespace, server: _Server | None = None) -> FastAPI:
             with contextlib.suppress(OSError):
                 os.rmdir(ipc_dir)
 
-    return create_app(holder, lifespan)
+    return create_app(holder, lifespan, max_request_bytes=ns.max_request_bytes)
 
 
 async def _wait_ready(events: zmq.asyncio.Socket, proc: Any) -> dict[str, Any]:

@@ -38,6 +38,9 @@ class ServerMetrics:
         self.requests = counter("rsgl_requests", "Finished requests (any reason)")
         self.aborts = counter("rsgl_aborted_requests", "Aborted requests")
         self.retractions = counter("rsgl_retractions", "Requests retracted under memory pressure")
+        self.step_failures = counter(
+            "rsgl_step_failures", "Steps whose execution raised (their requests were aborted)"
+        )
         self.ttft = histogram(
             "rsgl_time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS
         )
@@ -49,7 +52,7 @@ class ServerMetrics:
             "rsgl_queue_time_seconds", "Time from arrival to first scheduling", LATENCY_BUCKETS
         )
         self.model = model_name
-        self._retractions_seen = 0
+        self._seen = {"retractions": 0, "step_failures": 0}
 
     def observe_stats(self, stats: dict[str, Any]) -> None:
         """Updates gauges from the scheduler's periodic stats."""
@@ -60,10 +63,15 @@ class ServerMetrics:
         self.kv_usage.labels(m).set(1 - (stats["available"] + stats["evictable"]) / capacity)
         prompt = stats["prompt_tokens"]
         self.cache_hit_rate.labels(m).set(stats["cached_tokens"] / prompt if prompt else 0.0)
-        retractions = int(stats["retractions"])
-        if retractions > self._retractions_seen:
-            self.retractions.labels(m).inc(retractions - self._retractions_seen)
-            self._retractions_seen = retractions
+        # The scheduler reports running totals; the counters move by the difference.
+        for key, counter in (
+            ("retractions", self.retractions),
+            ("step_failures", self.step_failures),
+        ):
+            total = int(stats.get(key, 0))
+            if total > self._seen[key]:
+                counter.labels(m).inc(total - self._seen[key])
+                self._seen[key] = total
 
     def observe_finish(self, meta: dict[str, Any], aborted: bool) -> None:
         """Counts a finished request."""

@@ -34,13 +34,14 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
     priority: int = 0
     rid: str | None = None
 
-    def sampling_params(self, max_new_tokens: int | None, default_max: int) -> dict[str, Any]:
-        """SGLang sampling_params for this request."""
+    def sampling_params(self) -> dict[str, Any]:
+        """SGLang sampling_params for this request (the caller adds max_new_tokens, n and
+        logprobs, which the two APIs spell differently)."""
         params: dict[str, Any] = {
-            "max_new_tokens": default_max if max_new_tokens is None else max_new_tokens,
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "top_p": 1.0 if self.top_p is None else self.top_p,
             "top_k": self.top_k,
@@ -54,6 +55,7 @@ class _SamplingFields(BaseModel):
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
             "seed": self.seed,
+            "logit_bias": self.logit_bias or {},
         }
         return params
 

@@ -14,7 +14,7 @@ from typing import Any
 import zmq
 
 from rsgl.engine import EngineArgs, build_stack
-from rsgl.layers.sampling_params import SamplingParams
+from rsgl.sampling_params import SamplingParams
 from rsgl.scheduler.loop import SchedulerLoop
 from rsgl.server import ipc
 
@@ -72,6 +72,7 @@ def run_scheduler_process(args: EngineArgs, command_addr: str, event_addr: str) 
         "max_total_tokens": stack.max_total_tokens,
         "kv_buffer_size": stack.core.kv_buffer_size,
         "max_prompt_len": stack.core.max_prompt_len,
+        "vocab_size": stack.runner.config.vocab_size,
         "model_dir": str(stack.runner.loaded.model_dir),
         "eos_token_ids": list(stack.runner.config.eos_token_ids),
         "scheduler_pid": os.getpid(),
@@ -83,6 +84,8 @@ def run_scheduler_process(args: EngineArgs, command_addr: str, event_addr: str) 
     def send_stats() -> None:
         stats: dict[str, Any] = dict(stack.core.stats())
         stats["steps"] = loop.steps
+        stats["step_failures"] = loop.step_failures
+        stats["rss_bytes"] = _rss_bytes()
         outbox.send(ipc.Stats(stats))
 
     def stats_timer() -> None:
@@ -109,6 +112,15 @@ def run_scheduler_process(args: EngineArgs, command_addr: str, event_addr: str) 
         events.close(linger=1000)
         commands.close(linger=0)
         ctx.term()
+
+
+def _rss_bytes() -> int:
+    """This process's resident set size (Linux /proc; 0 where it is not available)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _dispatch(command: ipc.Command, loop: SchedulerLoop, core: Any, outbox: _Outbox) -> None:

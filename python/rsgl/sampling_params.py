@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+from rsgl.errors import InvalidRequest
 
 # Below this temperature a request is decoded greedily (dividing by ~0 would overflow).
 GREEDY_TEMPERATURE = 1e-6
@@ -17,7 +20,9 @@ class SamplingParams:
     prompt and generated tokens; `frequency_penalty`/`presence_penalty` (OpenAI semantics) to
     generated tokens only. `seed` makes sampling reproducible whatever the batch it runs in.
     `return_logprob` reports the chosen token's log-probability, `top_logprobs_num` the N most
-    likely tokens, both under the model's raw distribution (before penalties and temperature).
+    likely tokens, both under the model's raw distribution (before penalties and temperature),
+    `token_ids_logprob` those of the given ids. `logit_bias` is added to the logits first.
+    Token ids are checked against the vocabulary by `rsgl.validation`, which knows its size.
     """
 
     max_new_tokens: int = 128
@@ -36,6 +41,10 @@ class SamplingParams:
     seed: int | None = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # Added to the logits of these token ids before sampling (OpenAI's logit_bias).
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    # Token ids whose log-probabilities are reported at every output position (SGLang).
+    token_ids_logprob: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -53,7 +62,11 @@ class SamplingParams:
         )
 
     def validate(self) -> None:
-        """Raise ValueError naming the first out-of-range field."""
+        """Raise InvalidRequest (a ValueError) naming the first out-of-range field."""
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                _bad(name, value, "must be a finite number")
         if self.temperature < 0:
             _bad("temperature", self.temperature, "must be >= 0")
         if not 0 < self.top_p <= 1:
@@ -76,9 +89,27 @@ class SamplingParams:
             _bad("stop_token_ids", self.stop_token_ids, "must be non-negative token ids")
         if self.top_logprobs_num < 0:
             _bad("top_logprobs_num", self.top_logprobs_num, "must be >= 0")
-        if self.seed is not None and not isinstance(self.seed, int):
-            _bad("seed", self.seed, "must be an integer or None")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not -(1 << 63) <= self.seed < (1 << 64)
+        ):
+            _bad("seed", self.seed, "must be an integer that fits 64 bits, or None")
+        if any(t < 0 for t in self.logit_bias) or any(
+            not math.isfinite(v) for v in self.logit_bias.values()
+        ):
+            _bad("logit_bias", self.logit_bias, "must map token ids to finite numbers")
+        if any(t < 0 for t in self.token_ids_logprob):
+            _bad("token_ids_logprob", self.token_ids_logprob, "must be non-negative token ids")
+
+
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
 
 
 def _bad(name: str, value: object, rule: str) -> None:
-    raise ValueError(f"invalid sampling parameter {name}={value!r}: {rule}")
+    raise InvalidRequest(f"invalid sampling parameter {name}={value!r}: {rule}", name)

@@ -1,0 +1,13 @@
+"""Errors that cross the engine's public surface."""
+
+from __future__ import annotations
+
+
+class InvalidRequest(ValueError):
+    """A request the engine refuses before queueing it; `param` names the offending field
+    (OpenAI's `param`). The server answers 400 with it; the Engine raises it."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param

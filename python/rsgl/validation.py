@@ -1,0 +1,324 @@
+"""Request validation at the door, shared by `rsgl.Engine` and the server's frontend.
+
+Everything a request carries is checked here, before anything is queued: token ids are ints
+in `[0, vocab_size)`, numbers are finite and in range, `prompt + max_new_tokens` fits the
+context, and the sizes an operator bounds (`n`, logprobs, stop strings) stay under their
+limits. A bad request raises `InvalidRequest` naming the offending parameter, which the
+server turns into a 400 and the Engine raises as the ValueError it is. Nothing that passes
+here may fail a step of the scheduling loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rsgl.errors import InvalidRequest
+from rsgl.sampling_params import SamplingParams
+
+# A seed must fit 64 bits, signed or not (the sampler hashes its low 63 bits).
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+# Other integers must fit the core's int64 fields.
+INT64_MAX = (1 << 63) - 1
+# OpenAI bounds logit_bias values to [-100, 100].
+MAX_LOGIT_BIAS = 100.0
+# SGLang's max_new_tokens when a native request names none.
+DEFAULT_MAX_NEW_TOKENS = 128
+# Chat roles a chat template may meet.
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What one request may ask: the model's sizes and the operator's bounds."""
+
+    vocab_size: int
+    context_length: int
+    # Longest prompt the KV pool can ever hold (smaller than the context on a small pool).
+    max_prompt_len: int
+    # Clamp max_new_tokens to what the context leaves instead of refusing (SGLang's
+    # --allow-auto-truncate).
+    allow_auto_truncate: bool = False
+    max_n: int = 128
+    max_logprobs: int = 20
+    max_stop_strings: int = 64
+    max_stop_string_len: int = 1024
+
+
+# ------------------------------------------------------------------------------- prompts
+
+
+def check_token_ids(ids: Any, limits: RequestLimits, param: str) -> list[int]:
+    """`ids` as a list of ints in [0, vocab_size); InvalidRequest names `param` otherwise."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+        raise InvalidRequest(f"{param} must be a list of token ids", param)
+    out = list(ids)
+    vocab = limits.vocab_size
+    for i, t in enumerate(out):
+        if type(t) is not int:
+            raise InvalidRequest(f"{param}[{i}] must be an integer token id, got {t!r}", param)
+        if not 0 <= t < vocab:
+            raise InvalidRequest(
+                f"{param}[{i}] = {t} is not a token id of this model (valid: 0 to {vocab - 1})",
+                param,
+            )
+    return out
+
+
+def check_prompt(ids: Any, limits: RequestLimits, param: str = "prompt") -> list[int]:
+    """A tokenized prompt: non-empty, valid ids, shorter than the context and the pool."""
+    prompt = check_token_ids(ids, limits, param)
+    if not prompt:
+        raise InvalidRequest("the prompt is empty", param)
+    if len(prompt) >= limits.context_length:
+        raise InvalidRequest(
+            f"This model's maximum context length is {limits.context_length} tokens. However, "
+            f"your prompt has {len(prompt)} tokens. Please reduce the length of the prompt.",
+            param,
+        )
+    if len(prompt) > limits.max_prompt_len:
+        raise InvalidRequest(
+            f"the prompt has {len(prompt)} tokens, but the KV cache holds prompts of at most "
+            f"{limits.max_prompt_len} tokens",
+            param,
+        )
+    return prompt
+
+
+def resolve_max_new_tokens(
+    prompt_len: int, requested: int | None, limits: RequestLimits, param: str = "max_tokens"
+) -> int:
+    """The output budget of a prompt: what the context leaves when `requested` is None, else
+    `requested` if it fits (clamped instead with `allow_auto_truncate`)."""
+    room = limits.context_length - prompt_len
+    if requested is None:
+        return room
+    if requested < 0:
+        raise InvalidRequest(f"{param} must be >= 0, got {requested}", param)
+    if requested > room and not limits.allow_auto_truncate:
+        total = prompt_len + requested
+        raise InvalidRequest(
+            "Requested token count exceeds the model's maximum context length of "
+            f"{limits.context_length} tokens. You requested a total of {total} tokens: "
+            f"{prompt_len} tokens from the input messages and {requested} tokens for the "
+            "completion. Please reduce the number of tokens in the input messages or the "
+            "completion to fit within the limit.",
+            param,
+        )
+    return min(requested, room)
+
+
+def check_int64(value: Any, param: str) -> int:
+    """An integer that fits int64 (the core's request fields)."""
+    if type(value) is not int or not -INT64_MAX - 1 <= value <= INT64_MAX:
+        raise InvalidRequest(f"{param} must be an integer that fits 64 bits, got {value!r}", param)
+    return value
+
+
+def check_messages(messages: Any) -> list[dict[str, Any]]:
+    """Chat messages with known roles and text content, in the shape chat templates take:
+    content parts (`[{"type": "text", "text": ...}]`) are joined into one string."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages.{i}"
+        if not isinstance(m, Mapping):
+            raise InvalidRequest(f"{where} must be an object with role and content", where)
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            known = ", ".join(sorted(CHAT_ROLES))
+            raise InvalidRequest(f"{where}.role must be one of {known}; got {role!r}", where)
+        content = m.get("content")
+        if isinstance(content, list):
+            content = _join_text_parts(content, f"{where}.content")
+        elif content is None and role == "assistant":
+            content = ""  # an assistant turn that only called tools
+        elif not isinstance(content, str):
+            raise InvalidRequest(
+                f"{where}.content must be a string or a list of text parts", f"{where}.content"
+            )
+        out.append(dict(m, content=content))
+    return out
+
+
+def _join_text_parts(parts: list[Any], where: str) -> str:
+    texts = []
+    for j, part in enumerate(parts):
+        if not isinstance(part, Mapping) or part.get("type") != "text":
+            raise InvalidRequest(
+                f"{where}.{j} must be a text part ({{'type': 'text', 'text': ...}}); this "
+                "model reads text only",
+                where,
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise InvalidRequest(f"{where}.{j}.text must be a string", where)
+        texts.append(text)
+    return "".join(texts)
+
+
+# ------------------------------------------------------------------------------- sampling
+
+# Accepted JSON types of each SamplingParams field (bool is never an int here).
+_FLOAT_FIELDS = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+    }
+)
+_INT_FIELDS = frozenset({"max_new_tokens", "top_k", "min_new_tokens", "top_logprobs_num"})
+_BOOL_FIELDS = frozenset({"ignore_eos", "skip_special_tokens", "return_logprob"})
+_PARAM_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+# SGLang's aliases in sampling_params dicts.
+_ALIASES = {"logprobs": "return_logprob", "top_logprobs": "top_logprobs_num"}
+
+
+def make_sampling_params(
+    raw: Mapping[str, Any] | None,
+    limits: RequestLimits,
+    prompt_len: int,
+    *,
+    default_max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS,
+    max_tokens_param: str = "max_new_tokens",
+) -> tuple[SamplingParams, int]:
+    """SamplingParams for a prompt of `prompt_len` tokens from an SGLang-style dict, plus `n`.
+
+    Types, finiteness and ranges are checked here, and `max_new_tokens` is resolved against
+    the context: absent means `default_max_new_tokens` (or less, to fit), None means
+    whatever the context leaves. `max_tokens_param` is how the caller's API spells it (for error messages)."""
+    if raw is not None and not isinstance(raw, Mapping):
+        raise InvalidRequest("sampling_params must be an object", "sampling_params")
+    values = dict(raw or {})
+    n = values.pop("n", 1)
+    if type(n) is not int or not 1 <= n <= limits.max_n:
+        raise InvalidRequest(f"n must be an integer in [1, {limits.max_n}], got {n!r}", "n")
+    fields: dict[str, Any] = {}
+    for key, value in values.items():
+        name = _ALIASES.get(key, key)
+        if name not in _PARAM_KEYS:
+            raise InvalidRequest(f"unknown sampling parameter {key!r}", key)
+        if value is None and name != "seed" and name != "max_new_tokens":
+            continue  # an explicit null means the default
+        fields[name] = _typed(name, key, value, limits)
+    stop = fields.get("stop")
+    if stop is not None:
+        fields["stop"] = _check_stop(stop, limits)
+    if "stop_token_ids" in fields:
+        fields["stop_token_ids"] = check_token_ids(
+            fields["stop_token_ids"], limits, _key_of("stop_token_ids", values)
+        )
+    if "logit_bias" in fields:
+        fields["logit_bias"] = check_logit_bias(fields["logit_bias"], limits)
+    if "token_ids_logprob" in fields:
+        fields["token_ids_logprob"] = check_token_ids(
+            fields["token_ids_logprob"], limits, "token_ids_logprob"
+        )
+    top = fields.get("top_logprobs_num", 0)
+    if not 0 <= top <= limits.max_logprobs:
+        raise InvalidRequest(
+            f"top_logprobs must be in [0, {limits.max_logprobs}], got {top}",
+            _key_of("top_logprobs_num", values),
+        )
+    if top or fields.get("token_ids_logprob"):
+        fields["return_logprob"] = True
+    if "max_new_tokens" in fields:
+        requested = fields["max_new_tokens"]
+    elif default_max_new_tokens is not None:
+        # A default nobody asked for never makes a request fail: it shrinks to fit.
+        requested = min(default_max_new_tokens, limits.context_length - prompt_len)
+    else:
+        requested = None
+    fields["max_new_tokens"] = resolve_max_new_tokens(
+        prompt_len, requested, limits, max_tokens_param
+    )
+    try:
+        return SamplingParams(**fields), n
+    except InvalidRequest as exc:
+        param = _key_of(exc.param, values) if exc.param else None
+        raise InvalidRequest(exc.message, param) from exc
+
+
+def _key_of(name: str, raw: Mapping[str, Any]) -> str:
+    """The caller's spelling of field `name` (an alias if they used one)."""
+    for alias, target in _ALIASES.items():
+        if target == name and alias in raw:
+            return alias
+    return name
+
+
+def _typed(name: str, key: str, value: Any, limits: RequestLimits) -> Any:
+    """`value` if it has the JSON type field `name` takes; InvalidRequest names `key`."""
+    if name in _FLOAT_FIELDS:
+        if type(value) not in (int, float):
+            raise InvalidRequest(f"{key} must be a number, got {value!r}", key)
+        if not math.isfinite(value):
+            raise InvalidRequest(f"{key} must be a finite number, got {value!r}", key)
+        return float(value)
+    if name in _INT_FIELDS or name == "max_new_tokens":
+        if value is None:
+            return None
+        if type(value) is not int:
+            raise InvalidRequest(f"{key} must be an integer, got {value!r}", key)
+        if not -INT64_MAX <= value <= INT64_MAX:
+            raise InvalidRequest(f"{key} is out of range: {value}", key)
+        return value
+    if name in _BOOL_FIELDS:
+        if type(value) is not bool:
+            raise InvalidRequest(f"{key} must be true or false, got {value!r}", key)
+        return value
+    if name == "seed":
+        if value is not None and (type(value) is not int or not SEED_MIN <= value <= SEED_MAX):
+            raise InvalidRequest(f"{key} must be an integer that fits 64 bits, got {value!r}", key)
+        return value
+    return value
+
+
+def _check_stop(stop: Any, limits: RequestLimits) -> list[str]:
+    strings = [stop] if isinstance(stop, str) else stop
+    if not isinstance(strings, list) or not all(isinstance(s, str) for s in strings):
+        raise InvalidRequest("stop must be a string or a list of strings", "stop")
+    if len(strings) > limits.max_stop_strings:
+        raise InvalidRequest(
+            f"at most {limits.max_stop_strings} stop strings are allowed, got {len(strings)}",
+            "stop",
+        )
+    longest = max((len(s) for s in strings), default=0)
+    if longest > limits.max_stop_string_len:
+        raise InvalidRequest(
+            f"stop strings may have at most {limits.max_stop_string_len} characters, "
+            f"got one of {longest}",
+            "stop",
+        )
+    return list(strings)
+
+
+def check_logit_bias(bias: Any, limits: RequestLimits) -> dict[int, float]:
+    """OpenAI's `logit_bias` (token id, as int or decimal string -> bias in [-100, 100])."""
+    if not isinstance(bias, Mapping):
+        raise InvalidRequest("logit_bias must map token ids to numbers", "logit_bias")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = key
+        if isinstance(key, str):
+            token = int(key) if key.strip().lstrip("-").isdigit() else None
+        if type(token) is not int or not 0 <= token < limits.vocab_size:
+            raise InvalidRequest(
+                f"logit_bias key {key!r} is not a token id of this model "
+                f"(valid: 0 to {limits.vocab_size - 1})",
+                "logit_bias",
+            )
+        if type(value) not in (int, float) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise InvalidRequest(
+                f"logit_bias[{key!r}] must be a number in [-100, 100], got {value!r}",
+                "logit_bias",
+            )
+        out[token] = float(value)
+    return out

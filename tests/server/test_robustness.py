@@ -1,0 +1,306 @@
+"""One bad request must never take the server down: each malformed input gets its 4xx (an
+OpenAI error object), a failing step aborts only its own requests, a client that stops
+reading is cut off, and SIGTERM drains. A real `rsgl serve` on loopback; after every
+scenario the engine goes idle with no KV held (the core's integrity check runs whenever the
+loop goes idle, and a failure there would stop the server)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from launcher import launch, stop
+from prometheus_client.parser import text_string_to_metric_families
+
+MODEL = "SmolLM2-135M-Instruct"
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+VOCAB = 49152
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    log_path = tmp_path_factory.mktemp("robust") / "server.log"
+    flags = [
+        "--max-total-tokens",
+        "40000",
+        "--max-n",
+        "4",
+        "--max-request-bytes",
+        "200000",
+        "--stream-stall-timeout-s",
+        "2",
+    ]
+    # Any request whose id contains "poison" makes the first step it is in raise.
+    proc, url = launch(log_path, *flags, env={"RSGL_FAULT_INJECTION": "rid=poison"})
+    yield url
+    stop(proc, log_path)
+
+
+def stats(url: str) -> dict[str, Any]:
+    return dict(httpx.get(f"{url}/get_server_info", timeout=10).json()["stats"])
+
+
+def wait_idle(url: str) -> dict[str, Any]:
+    """The scheduler's stats once idle; nothing may be held or protected then."""
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        s = stats(url)
+        if s and s["live"] == 0 and s["running"] == 0 and s["waiting"] == 0:
+            assert s["held"] == 0 and s["protected"] == 0, s
+            return s
+        time.sleep(0.3)
+    pytest.fail(f"engine never went idle: {stats(url)}")
+
+
+def assert_serving(url: str) -> None:
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 3}
+    r = httpx.post(f"{url}{COMPLETIONS}", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def openai_error(r: httpx.Response, status: int) -> dict[str, Any]:
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    return dict(err)
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name
+    )
+
+
+OK_COMPLETION = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+OK_GENERATE = {"text": "Hi", "sampling_params": {"max_new_tokens": 2}}
+
+# (path, body, expected param or None); each used to break the server or slip through.
+BAD_BODIES: list[tuple[str, dict[str, Any], str | None]] = [
+    (COMPLETIONS, dict(OK_COMPLETION, prompt=[1, VOCAB]), "prompt"),
+    (COMPLETIONS, dict(OK_COMPLETION, prompt=[5, -1]), "prompt"),
+    (COMPLETIONS, dict(OK_COMPLETION, prompt=[[1, 2], [10**12]]), "prompt"),
+    ("/generate", {"input_ids": [VOCAB + 5], "sampling_params": {}}, "input_ids"),
+    ("/generate", {"input_ids": [-7]}, "input_ids"),
+    (COMPLETIONS, dict(OK_COMPLETION, max_tokens=100_000_000), "max_tokens"),
+    (COMPLETIONS, dict(OK_COMPLETION, max_tokens=-1), "max_tokens"),
+    (CHAT, dict(OK_CHAT, max_tokens=9000), "max_tokens"),
+    (CHAT, dict(OK_CHAT, max_completion_tokens=9000), "max_completion_tokens"),
+    ("/generate", dict(OK_GENERATE, sampling_params={"max_new_tokens": 9000}), "max_new_tokens"),
+    (COMPLETIONS, dict(OK_COMPLETION, seed=1 << 70), "seed"),
+    (COMPLETIONS, dict(OK_COMPLETION, priority=1 << 70), "priority"),
+    (COMPLETIONS, dict(OK_COMPLETION, top_k=1 << 70), "top_k"),
+    (COMPLETIONS, dict(OK_COMPLETION, stop_token_ids=[1 << 40]), "stop_token_ids"),
+    (COMPLETIONS, dict(OK_COMPLETION, stop_token_ids=[VOCAB]), "stop_token_ids"),
+    (COMPLETIONS, dict(OK_COMPLETION, logit_bias={str(VOCAB): 5}), "logit_bias"),
+    (COMPLETIONS, dict(OK_COMPLETION, logit_bias={"1": 500}), "logit_bias"),
+    (COMPLETIONS, dict(OK_COMPLETION, logprobs=21), "logprobs"),
+    (CHAT, dict(OK_CHAT, logprobs=True, top_logprobs=21), "top_logprobs"),
+    (COMPLETIONS, dict(OK_COMPLETION, n=5), "n"),
+    (COMPLETIONS, dict(OK_COMPLETION, stop=["x"] * 65), "stop"),
+    (COMPLETIONS, dict(OK_COMPLETION, stop="y" * 2000), "stop"),
+    (CHAT, dict(OK_CHAT, messages=[{"role": "robot", "content": "x"}]), "messages.0"),
+    (CHAT, dict(OK_CHAT, messages=[{"role": "user", "content": 7}]), "messages.0.content"),
+    (CHAT, dict(OK_CHAT, messages=[{"role": "user"}]), "messages.0.content"),
+    (CHAT, dict(OK_CHAT, messages=["hello"]), "messages.0"),
+    (
+        "/generate",
+        dict(OK_GENERATE, sampling_params={"token_ids_logprob": [VOCAB]}),
+        "token_ids_logprob",
+    ),
+    ("/generate", dict(OK_GENERATE, sampling_params={"temperature": "hot"}), "temperature"),
+    ("/generate", dict(OK_GENERATE, sampling_params={"stop_token_ids": [-1]}), "stop_token_ids"),
+    ("/generate", dict(OK_GENERATE, sampling_params={"n": 0}), "n"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), BAD_BODIES)
+def test_bad_input_gets_a_400_naming_the_parameter(
+    server: str, path: str, body: dict[str, Any], param: str | None
+) -> None:
+    err = openai_error(httpx.post(f"{server}{path}", json=body, timeout=60), 400)
+    assert err["param"] == param, err
+
+
+def test_non_finite_numbers_are_refused(server: str) -> None:
+    # Python's json writes NaN/Infinity literals, and the server's JSON parser reads them.
+    for field, value in [
+        ("temperature", "NaN"),
+        ("top_p", "NaN"),
+        ("presence_penalty", "Infinity"),
+    ]:
+        raw = json.dumps(OK_COMPLETION)[:-1] + f', "{field}": {value}}}'
+        r = httpx.post(
+            f"{server}{COMPLETIONS}",
+            content=raw,
+            headers={"content-type": "application/json"},
+            timeout=60,
+        )
+        assert openai_error(r, 400)["param"] == field
+
+
+def test_malformed_bodies_and_unknown_routes_get_openai_errors(server: str) -> None:
+    url = f"{server}{COMPLETIONS}"
+    json_type = {"content-type": "application/json"}
+    err = openai_error(httpx.post(url, content=b'{"model": "x", "prompt":', headers=json_type), 400)
+    assert err["param"] is None and "not valid JSON" in err["message"]
+    bad_utf8 = b'{"model": "' + bytes([0xFF, 0xFE]) + b'", "prompt": "hi"}'
+    openai_error(httpx.post(url, content=bad_utf8, headers=json_type), 400)
+    openai_error(httpx.post(url, content=b"[1, 2]", headers=json_type), 400)
+    openai_error(httpx.get(f"{server}/no/such/path"), 404)
+    openai_error(httpx.get(url), 405)
+    started = time.perf_counter()
+    big = {"model": MODEL, "prompt": "x" * 300_000}
+    err = openai_error(httpx.post(url, json=big, timeout=30), 413)
+    assert "--max-request-bytes" in err["message"]
+    assert time.perf_counter() - started < 5
+
+    def chunked() -> Iterator[bytes]:
+        # No Content-Length: the limit must hold while the body streams in.
+        yield b'{"model": "m", "prompt": "'
+        for _ in range(100):
+            yield b"y" * 10_000
+        yield b'"}'
+
+    openai_error(httpx.post(url, content=chunked(), headers=json_type, timeout=30), 413)
+    assert_serving(server)
+    wait_idle(server)
+
+
+def test_good_requests_complete_while_bad_ones_arrive_with_them(server: str) -> None:
+    async def good(c: httpx.AsyncClient, i: int) -> tuple[int, str | None]:
+        body = dict(
+            OK_COMPLETION, prompt=f"Fact {i}:", max_tokens=8, ignore_eos=True, stream=i % 2 == 0
+        )
+        if i % 2:
+            r = await c.post(COMPLETIONS, json=body)
+            return r.status_code, r.json()["choices"][0]["finish_reason"]
+        reasons = []
+        async with c.stream("POST", COMPLETIONS, json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    reasons.append(json.loads(line[6:])["choices"][0]["finish_reason"])
+        return r.status_code, reasons[-1]
+
+    async def bad(c: httpx.AsyncClient, i: int) -> int:
+        path, body, _ = BAD_BODIES[i % len(BAD_BODIES)]
+        return (await c.post(path, json=body)).status_code
+
+    async def run() -> tuple[list[tuple[int, str | None]], list[int]]:
+        async with httpx.AsyncClient(base_url=server, timeout=300) as c:
+            goods = [good(c, i) for i in range(24)]
+            bads = [bad(c, i) for i in range(16)]
+            results = await asyncio.gather(*goods, *bads)
+        return list(results[:24]), list(results[24:])  # type: ignore[arg-type]
+
+    goods, bads = asyncio.run(run())
+    assert goods == [(200, "length")] * 24
+    assert bads == [400] * 16
+    wait_idle(server)
+
+
+def test_a_failing_step_aborts_only_its_requests(server: str) -> None:
+    failures_before = metric(server, "rsgl_step_failures_total")
+
+    async def run() -> tuple[list[str], httpx.Response, str]:
+        async with httpx.AsyncClient(base_url=server, timeout=300) as c:
+            first_token = asyncio.Event()
+
+            async def good(i: int) -> str:
+                body = dict(
+                    OK_COMPLETION,
+                    prompt=f"Story {i}:",
+                    max_tokens=24,
+                    ignore_eos=True,
+                    stream=True,
+                )
+                reason = ""
+                async with c.stream("POST", COMPLETIONS, json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            first_token.set()
+                            reason = json.loads(line[6:])["choices"][0]["finish_reason"] or ""
+                return reason
+
+            goods = [asyncio.ensure_future(good(i)) for i in range(6)]
+            await first_token.wait()  # the good ones are decoding: the poison's step is its own
+            poison = await c.post(
+                COMPLETIONS, json=dict(OK_COMPLETION, max_tokens=8, rid="poison-1")
+            )
+            streamed = ""
+            async with c.stream(
+                "POST",
+                COMPLETIONS,
+                json=dict(OK_COMPLETION, max_tokens=8, rid="poison-2", stream=True),
+            ) as r:
+                async for line in r.aiter_lines():
+                    streamed += line + "\n"
+            return list(await asyncio.gather(*goods)), poison, streamed
+
+    goods, poison, streamed = asyncio.run(run())
+    assert goods == ["length"] * 6
+    err = openai_error(poison, 500)
+    assert "injected fault for request poison-1" in err["message"]
+    events = [line[6:] for line in streamed.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert "injected fault for request poison-2" in json.loads(events[-2])["error"]["message"]
+    idle = wait_idle(server)
+    assert idle["step_failures"] >= 2
+    assert metric(server, "rsgl_step_failures_total") - failures_before >= 2
+    assert_serving(server)
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_0(tmp_path: Path) -> None:
+    log_path = tmp_path / "server.log"
+    proc, url = launch(log_path, "--max-total-tokens", "20000", "--request-timeout-s", "4")
+    try:
+        # A request longer than --request-timeout-s is cut off with a 504.
+        slow = dict(OK_COMPLETION, prompt="Count:", max_tokens=4000, ignore_eos=True)
+        err = openai_error(httpx.post(f"{url}{COMPLETIONS}", json=slow, timeout=60), 504)
+        assert "limit of 4.0 s" in err["message"]
+        wait_idle(url)
+
+        async def scenario() -> tuple[list[str], int, int]:
+            async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+                body = dict(
+                    OK_COMPLETION, prompt="Once", max_tokens=24, ignore_eos=True, stream=True
+                )
+                lines: list[str] = []
+                async with c.stream("POST", COMPLETIONS, json=body) as r:
+                    it = r.aiter_lines()
+                    while not (line := await anext(it)).startswith("data: {"):
+                        pass
+                    lines.append(line)
+                    proc.send_signal(signal.SIGTERM)
+                    await asyncio.sleep(0.5)
+                    refused = await c.post(COMPLETIONS, json=OK_COMPLETION)
+                    health = await c.get("/health")
+                    async for line in it:
+                        lines.append(line)
+                return lines, refused.status_code, health.status_code
+
+        lines, refused, health = asyncio.run(scenario())
+        assert (refused, health) == (503, 503)
+        events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        assert lines[-1] == "data: [DONE]" or "data: [DONE]" in lines
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "draining" in log_path.read_text()

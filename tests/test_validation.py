@@ -1,0 +1,137 @@
+"""The request validator both entry points share: each bad input names its parameter."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from rsgl.errors import InvalidRequest
+from rsgl.validation import (
+    RequestLimits,
+    check_messages,
+    check_prompt,
+    make_sampling_params,
+    resolve_max_new_tokens,
+)
+
+LIMITS = RequestLimits(vocab_size=100, context_length=64, max_prompt_len=60, max_n=4)
+
+
+def param_of(fn: Any, *args: Any, **kwargs: Any) -> str | None:
+    with pytest.raises(InvalidRequest) as info:
+        fn(*args, **kwargs)
+    return info.value.param
+
+
+@pytest.mark.parametrize(
+    ("ids", "why"),
+    [
+        ([], "empty"),
+        ([1, 100], "not a token id"),
+        ([-1], "not a token id"),
+        ([1, True], "integer token id"),
+        ([1, 2.0], "integer token id"),
+        ("abc", "list of token ids"),
+        ([1] * 64, "maximum context length is 64"),
+        ([1] * 61, "at most 60 tokens"),
+    ],
+)
+def test_bad_prompts_are_refused_with_the_reason(ids: Any, why: str) -> None:
+    with pytest.raises(InvalidRequest, match=why) as info:
+        check_prompt(ids, LIMITS, "input_ids")
+    assert info.value.param == "input_ids"
+
+
+def test_good_prompt_passes_through() -> None:
+    assert check_prompt([0, 5, 99], LIMITS) == [0, 5, 99]
+
+
+def test_max_new_tokens_must_fit_the_context_unless_auto_truncate() -> None:
+    assert resolve_max_new_tokens(10, None, LIMITS) == 54  # no limit: what the context leaves
+    assert resolve_max_new_tokens(10, 54, LIMITS) == 54
+    with pytest.raises(InvalidRequest, match="You requested a total of 65 tokens") as info:
+        resolve_max_new_tokens(10, 55, LIMITS, "max_tokens")
+    assert info.value.message.startswith(
+        "Requested token count exceeds the model's maximum context length of 64 tokens."
+    )
+    assert info.value.param == "max_tokens"
+    assert param_of(resolve_max_new_tokens, 10, -1, LIMITS, "max_tokens") == "max_tokens"
+    truncating = RequestLimits(100, 64, 60, allow_auto_truncate=True)
+    assert resolve_max_new_tokens(10, 10**8, truncating) == 54
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        ({"temperature": math.nan}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"top_p": math.nan}, "top_p"),
+        ({"repetition_penalty": math.inf}, "repetition_penalty"),
+        ({"frequency_penalty": -math.inf}, "frequency_penalty"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"temperature": True}, "temperature"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"top_k": 1 << 70}, "top_k"),
+        ({"seed": 1 << 64}, "seed"),
+        ({"seed": "1"}, "seed"),
+        ({"n": 5}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": True}, "n"),
+        ({"top_logprobs": 21}, "top_logprobs"),
+        ({"stop": ["x"] * 65}, "stop"),
+        ({"stop": "x" * 1025}, "stop"),
+        ({"stop": [1]}, "stop"),
+        ({"stop_token_ids": [100]}, "stop_token_ids"),
+        ({"stop_token_ids": [-3]}, "stop_token_ids"),
+        ({"logit_bias": {"100": 1}}, "logit_bias"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"3": 101}}, "logit_bias"),
+        ({"token_ids_logprob": [1, 100]}, "token_ids_logprob"),
+        ({"max_new_tokens": 1000}, "max_new_tokens"),
+        ({"min_new_tokens": 9, "max_new_tokens": 8}, "min_new_tokens"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+        ({"no_such_field": 1}, "no_such_field"),
+    ],
+)
+def test_bad_sampling_params_name_their_field(raw: dict[str, Any], param: str) -> None:
+    assert param_of(make_sampling_params, raw, LIMITS, 10) == param
+
+
+def test_sampling_params_defaults_and_conversions() -> None:
+    params, n = make_sampling_params(
+        {"n": 2, "stop": "end", "logit_bias": {"7": -100, 8: 5}, "top_logprobs": 3}, LIMITS, 10
+    )
+    assert n == 2
+    assert params.stop == ["end"]
+    assert params.logit_bias == {7: -100.0, 8: 5.0}
+    assert params.return_logprob and params.top_logprobs_num == 3
+    assert params.max_new_tokens == 54  # the default (128) shrinks to what the context leaves
+    absent, _ = make_sampling_params({}, LIMITS, 10, default_max_new_tokens=16)
+    assert absent.max_new_tokens == 16
+    unlimited, _ = make_sampling_params({"max_new_tokens": None}, LIMITS, 10)
+    assert unlimited.max_new_tokens == 54
+    with_ids, _ = make_sampling_params({"token_ids_logprob": [1, 2]}, LIMITS, 10)
+    assert with_ids.return_logprob
+
+
+def test_chat_messages_need_known_roles_and_text_content() -> None:
+    ok = check_messages(
+        [
+            {"role": "system", "content": "be brief"},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            },
+            {"role": "assistant", "content": None},
+        ]
+    )
+    assert [m["content"] for m in ok] == ["be brief", "ab", ""]
+    assert param_of(check_messages, []) == "messages"
+    assert param_of(check_messages, [{"role": "robot", "content": "x"}]) == "messages.0"
+    assert param_of(check_messages, [{"role": "user", "content": 5}]) == "messages.0.content"
+    assert param_of(check_messages, [{"role": "user"}]) == "messages.0.content"
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    assert param_of(check_messages, image) == "messages.0.content"
+    assert param_of(check_messages, ["hi"]) == "messages.0"
