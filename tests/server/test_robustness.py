@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,6 +38,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         "200000",
         "--stream-stall-timeout-s",
         "2",
+        "--socket-send-buffer-bytes",
+        "16384",
     ]
     # Any request whose id contains "poison" makes the first step it is in raise.
     proc, url = launch(log_path, *flags, env={"RSGL_FAULT_INJECTION": "rid=poison"})
@@ -262,6 +265,44 @@ def test_a_failing_step_aborts_only_its_requests(server: str) -> None:
     idle = wait_idle(server)
     assert idle["step_failures"] >= 2
     assert metric(server, "rsgl_step_failures_total") - failures_before >= 2
+    assert_serving(server)
+
+
+def test_a_client_that_stops_reading_is_aborted_and_its_kv_released(server: str) -> None:
+    aborts_before = stats(server)["aborts"]
+    host, port = server.removeprefix("http://").split(":")
+    body = json.dumps(
+        dict(
+            OK_COMPLETION,
+            prompt="List every number:",
+            max_tokens=2000,
+            ignore_eos=True,
+            n=4,
+            logprobs=5,
+            stream=True,
+        )
+    ).encode()
+    request = (
+        f"POST {COMPLETIONS} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    with socket.socket() as sock:
+        # A tiny receive window, never read: with the server's small send buffer
+        # (--socket-send-buffer-bytes) its writes back up within a few hundred tokens.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((host, int(port)))
+        sock.sendall(request)
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            s = stats(server)
+            if s["aborts"] - aborts_before >= 4 and s["live"] == 0:
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"the stalled stream was never aborted: {stats(server)}")
+        assert stats(server)["generated_tokens"] > 0
+        idle = wait_idle(server)  # while the client is still connected
+        assert idle["held"] == 0
     assert_serving(server)
 
 

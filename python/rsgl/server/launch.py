@@ -15,6 +15,7 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import socket
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -67,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         help="abort a stream whose client has not read its output for this long",
+    )
+    p.add_argument(
+        "--socket-send-buffer-bytes",
+        type=int,
+        default=None,
+        help="kernel send buffer of each connection (default: the OS autotunes it, up to "
+        "net.ipv4.tcp_wmem's maximum, often 4 MB, per client that stops reading)",
     )
     p.add_argument(
         "--graceful-shutdown-timeout",
@@ -268,8 +276,23 @@ def main(argv: list[str] | None = None) -> int:
         log_level="info",
         timeout_graceful_shutdown=5,
     )
-    server.run()
+    sockets = None
+    if ns.socket_send_buffer_bytes is not None:
+        sockets = [_listening_socket(ns.host, ns.port, ns.socket_send_buffer_bytes)]
+    server.run(sockets=sockets)
     return 0
+
+
+def _listening_socket(host: str, port: int, send_buffer: int) -> socket.socket:
+    """A listening socket whose accepted connections get a fixed kernel send buffer (Linux
+    copies SO_SNDBUF to them), instead of autotuning's up to several MB each."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+    sock.bind(addr)
+    sock.set_inheritable(True)
+    return sock
 
 
 if __name__ == "__main__":
