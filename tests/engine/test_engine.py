@@ -13,6 +13,7 @@ import pytest
 
 import rsgl
 from rsgl.engine import Engine
+from rsgl.errors import InvalidRequest
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 24}
 SUBJECTS = [
@@ -188,8 +189,62 @@ def test_bad_input_raises_value_error_and_the_engine_keeps_serving(engine: Engin
         engine.generate(["Hello", "World"], {"temperature": -0.5})
     with pytest.raises(ValueError, match="unknown sampling parameter 'tempreature'"):
         engine.generate("Hello", {"tempreature": 0.5})
+    bad: list[tuple[dict[str, Any], str]] = [
+        ({"input_ids": [1, 49152]}, "input_ids"),
+        ({"input_ids": [[5], [-1]]}, "input_ids"),
+        ({"prompt": "Hi", "sampling_params": {"max_new_tokens": 9000}}, "max_new_tokens"),
+        ({"prompt": "Hi", "sampling_params": {"temperature": float("nan")}}, "temperature"),
+        ({"prompt": "Hi", "sampling_params": {"seed": 1 << 64}}, "seed"),
+        ({"prompt": "Hi", "sampling_params": {"stop_token_ids": [1 << 40]}}, "stop_token_ids"),
+        ({"prompt": "Hi", "sampling_params": {"n": 129}}, "n"),
+        ({"messages": [{"role": "wizard", "content": "Hi"}]}, "messages.0"),
+    ]
+    for kwargs, param in bad:
+        with pytest.raises(InvalidRequest) as info:
+            engine.generate(**kwargs)
+        assert info.value.param == param, (kwargs, info.value)
     assert engine.generate("Hello", GREEDY)["meta_info"]["completion_tokens"] > 0
     engine.check_integrity()
+
+
+def test_logit_bias_and_token_ids_logprob(engine: Engine) -> None:
+    forced = 1000
+    params = dict(GREEDY, max_new_tokens=5, ignore_eos=True, logit_bias={forced: 100})
+    assert engine.generate("The sky is", params)["output_ids"] == [forced] * 5
+    params = dict(GREEDY, max_new_tokens=3, token_ids_logprob=[forced, 7])
+    out = engine.generate("The sky is", params)
+    entries = out["meta_info"]["output_token_logprobs"]
+    assert len(entries) == len(out["output_ids"])
+    for entry in entries:
+        asked = entry["token_ids_logprob"]
+        assert [e["token_id"] for e in asked] == [forced, 7]
+        assert all(e["logprob"] <= 0 for e in asked)
+
+
+def test_a_failing_step_aborts_its_requests_and_the_engine_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("RSGL_FAULT_INJECTION", "rid=poison")
+    with make_engine(context_length=64, allow_auto_truncate=True) as llm:
+        params = dict(GREEDY, max_new_tokens=8, ignore_eos=True)
+        outs = llm.generate(["One", "Two", "Three"], params, rid=["ok-1", "poison-2", "ok-3"])
+        # The three were prefilled in one step, which failed: all three end with its error.
+        for out in outs:
+            reason = out["meta_info"]["finish_reason"]
+            assert reason["type"] == "abort" and reason["status_code"] == 500, reason
+            assert "injected fault for request poison-2" in reason["message"]
+        # The step launched after the failed one still holds their KV until it commits.
+        deadline = time.time() + 30
+        while llm.get_server_info()["stats"]["live"] and time.time() < deadline:
+            time.sleep(0.05)
+        assert llm.get_server_info()["stats"]["held"] == 0
+        llm.check_integrity()
+        # Afterwards the engine serves; auto-truncation clamps max_new_tokens to the context.
+        out = llm.generate("Four", dict(GREEDY, max_new_tokens=10**6, ignore_eos=True))
+        meta = out["meta_info"]
+        assert meta["finish_reason"]["type"] == "length"
+        assert meta["prompt_tokens"] + meta["completion_tokens"] == 64
+        llm.check_integrity()
 
 
 def test_async_generate_and_n(engine: Engine) -> None:
