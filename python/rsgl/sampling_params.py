@@ -7,6 +7,16 @@ from dataclasses import dataclass, field
 
 from rsgl.errors import InvalidRequest
 
+# The float-valued fields, in the order they are checked; each must be finite.
+FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
+
 # Below this temperature a request is decoded greedily (dividing by ~0 would overflow).
 GREEDY_TEMPERATURE = 1e-6
 
@@ -63,7 +73,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise InvalidRequest (a ValueError) naming the first out-of-range field."""
-        for name in _FLOAT_FIELDS:
+        for name in FLOAT_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value):
                 _bad(name, value, "must be a finite number")
@@ -99,16 +109,6 @@ class SamplingParams:
             _bad("logit_bias", self.logit_bias, "must map token ids to finite numbers")
         if any(t < 0 for t in self.token_ids_logprob):
             _bad("token_ids_logprob", self.token_ids_logprob, "must be non-negative token ids")
-
-
-_FLOAT_FIELDS = (
-    "temperature",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
-    "frequency_penalty",
-    "presence_penalty",
-)
 
 
 def _bad(name: str, value: object, rule: str) -> None:

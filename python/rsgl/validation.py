@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rsgl.errors import InvalidRequest
-from rsgl.sampling_params import SamplingParams
+from rsgl.sampling_params import FLOAT_FIELDS, SamplingParams
 
 # A seed must fit 64 bits, signed or not (the sampler hashes its low 63 bits).
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
@@ -164,16 +164,6 @@ def _join_text_parts(parts: list[Any], where: str) -> str:
 # ------------------------------------------------------------------------------- sampling
 
 # Accepted JSON types of each SamplingParams field (bool is never an int here).
-_FLOAT_FIELDS = frozenset(
-    {
-        "temperature",
-        "top_p",
-        "min_p",
-        "repetition_penalty",
-        "frequency_penalty",
-        "presence_penalty",
-    }
-)
 _INT_FIELDS = frozenset({"max_new_tokens", "top_k", "min_new_tokens", "top_logprobs_num"})
 _BOOL_FIELDS = frozenset({"ignore_eos", "skip_special_tokens", "return_logprob"})
 _PARAM_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
@@ -256,7 +246,7 @@ def _key_of(name: str, raw: Mapping[str, Any]) -> str:
 
 def _typed(name: str, key: str, value: Any, limits: RequestLimits) -> Any:
     """`value` if it has the JSON type field `name` takes; InvalidRequest names `key`."""
-    if name in _FLOAT_FIELDS:
+    if name in FLOAT_FIELDS:
         if type(value) not in (int, float):
             raise InvalidRequest(f"{key} must be a number, got {value!r}", key)
         if not math.isfinite(value):
