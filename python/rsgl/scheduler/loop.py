@@ -164,7 +164,13 @@ class SchedulerLoop:
             try:
                 add()
             except Exception as exc:  # noqa: BLE001 - one bad request must not stop the loop
-                meta = _meta(rid, {"type": "abort", "message": f"invalid request: {exc}"})
+                reason = {
+                    "type": "abort",
+                    "message": f"invalid request: {exc}",
+                    "status_code": 400,
+                    "err_type": "BadRequestError",
+                }
+                meta = _meta(rid, reason)
                 meta["prompt_tokens"] = len(prompt_ids)
                 deliver("", [], meta)
 

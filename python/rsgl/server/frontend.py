@@ -239,7 +239,16 @@ class Frontend:
             if isinstance(event, ipc.StepOutputs):
                 now = time.perf_counter()
                 for out in event.outputs:
-                    self._on_output(out, now)
+                    try:
+                        self._on_output(out, now)
+                    except Exception:  # one request's failure stays its own
+                        logger.exception("request %s: its output could not be processed", out.rid)
+                        self.abort(
+                            out.rid,
+                            "internal error processing the output",
+                            500,
+                            "InternalServerError",
+                        )
             elif isinstance(event, ipc.Stats):
                 self.stats = event.stats
                 self.metrics.observe_stats(event.stats)
