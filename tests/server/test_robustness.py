@@ -345,3 +345,36 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
     assert "draining" in log_path.read_text()
+
+
+def test_abort_request_aborts_exactly_the_named_request(server: str) -> None:
+    async def stream(
+        c: httpx.AsyncClient, body: dict[str, Any], started: asyncio.Event
+    ) -> list[Any]:
+        reasons: list[Any] = []
+        async with c.stream("POST", COMPLETIONS, json=dict(body, stream=True)) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    started.set()
+                    choice = json.loads(line[6:])["choices"][0]
+                    if choice["finish_reason"]:
+                        reasons.append(choice["finish_reason"])
+        return reasons
+
+    async def run() -> tuple[list[Any], list[Any], dict[str, Any]]:
+        async with httpx.AsyncClient(base_url=server, timeout=300) as c:
+            both = asyncio.Event(), asyncio.Event()
+            long = dict(OK_COMPLETION, max_tokens=400, ignore_eos=True)
+            # A dashed id with two choices, and a request whose id is a prefix of it.
+            a = asyncio.ensure_future(stream(c, dict(long, rid="job-a", n=2), both[0]))
+            b = asyncio.ensure_future(stream(c, dict(long, rid="job", max_tokens=40), both[1]))
+            await both[0].wait()
+            await both[1].wait()
+            aborted = (await c.post("/abort_request", json={"rid": "job-a"})).json()
+            return await a, await b, aborted
+
+    a, b, aborted = asyncio.run(run())
+    assert aborted == {"aborted": True}
+    assert a == ["abort", "abort"]
+    assert b == ["length"]
+    wait_idle(server)

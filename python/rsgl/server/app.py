@@ -193,7 +193,7 @@ def create_app(
                 for k in range(n):
                     index = i * n + k
                     sub = base if len(jobs) * n == 1 else f"{base}-{index}"
-                    state = await st().frontend.submit(sub, ids, params, priority)
+                    state = await st().frontend.submit(sub, ids, params, priority, base)
                     choices.append(Choice(index, i, state))
         except EngineUnavailable as exc:
             for c in choices:
@@ -549,14 +549,7 @@ def create_app(
 
     @app.post("/abort_request")
     async def abort_request(body: AbortBody) -> dict[str, Any]:
-        aborted = [
-            rid
-            for rid in list(st().frontend.pending)
-            if rid.split("-")[0] == body.rid or rid == body.rid
-        ]
-        for rid in aborted:
-            st().frontend.abort(rid)
-        return {"aborted": len(aborted) > 0}
+        return {"aborted": st().frontend.abort_group(body.rid)}
 
     @app.post("/flush_cache")
     async def flush_cache() -> JSONResponse:

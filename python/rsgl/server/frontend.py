@@ -51,6 +51,8 @@ class ReqState:
     prompt_ids: list[int]
     params: SamplingParams
     detok: IncrementalDetokenizer
+    # The client's request id (several choices of one request share it).
+    group: str
     queue: asyncio.Queue[Update] = field(default_factory=asyncio.Queue)
     created: float = field(default_factory=time.perf_counter)
     last_token: float | None = None
@@ -92,6 +94,7 @@ class Frontend:
         self.request_timeout_s = request_timeout_s
         self.stream_stall_timeout_s = stream_stall_timeout_s
         self.pending: dict[str, ReqState] = {}
+        self._groups: dict[str, set[str]] = {}  # client request id -> pending choice ids
         self.stats: dict[str, Any] = {}
         self.healthy = True
         # Set by a graceful shutdown: new requests are refused, running ones finish.
@@ -104,9 +107,15 @@ class Frontend:
     # ------------------------------------------------------------------ requests
 
     async def submit(
-        self, rid: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        group: str | None = None,
     ) -> ReqState:
-        """Sends a request; raises EngineUnavailable when unhealthy or the queue is full."""
+        """Sends a request; raises EngineUnavailable when unhealthy or the queue is full.
+        `group` is the client's request id when `rid` is one choice of several."""
         if not self.healthy:
             raise EngineUnavailable("the engine is not healthy")
         if self.draining:
@@ -122,10 +131,11 @@ class Frontend:
         detok = IncrementalDetokenizer(
             self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens
         )
-        state = ReqState(rid, prompt_ids, params, detok)
+        state = ReqState(rid, prompt_ids, params, detok, group or rid)
         if self.request_timeout_s is not None:
             state.deadline = state.created + self.request_timeout_s
         self.pending[rid] = state
+        self._groups.setdefault(state.group, set()).add(rid)
         wire = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
         self._send(ipc.AddRequest(rid, prompt_ids, wire, priority))
         if self.log_requests:
@@ -310,9 +320,19 @@ class Frontend:
             "e2e_latency": time.perf_counter() - state.created,
         }
 
+    def abort_group(self, group: str) -> bool:
+        """Aborts every pending choice of the client's request `group`."""
+        rids = list(self._groups.get(group, ()))
+        return sum(self.abort(rid) for rid in rids) > 0
+
     def _finish(self, state: ReqState, update: Update) -> None:
         meta = update.meta
         assert meta is not None
+        members = self._groups.get(state.group)
+        if members is not None:
+            members.discard(state.rid)
+            if not members:
+                del self._groups[state.group]
         aborted = meta["finish_reason"]["type"] == "abort"
         self.metrics.observe_finish(meta, aborted)
         if self.log_requests:
