@@ -11,6 +11,7 @@ BENCHMARKS: dict[str, str] = {
     "one-batch": "rsgl.bench.one_batch",
     "offline": "rsgl.bench.offline",
     "serving": "rsgl.bench.serving",
+    "soak": "rsgl.bench.soak",
 }
 
 
