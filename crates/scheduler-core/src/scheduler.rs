@@ -265,6 +265,10 @@ pub struct Stats {
 struct Entry {
     idx: usize,
     sample: bool,
+    /// The request's KV length once this step has run.
+    kv_end: usize,
+    /// The request's retraction count when planned (see `Request::retractions`).
+    retractions: u32,
 }
 
 #[derive(Debug)]
@@ -534,20 +538,25 @@ impl Scheduler {
 
     /// After a chunk, SGLang's `cache_unfinished_req`: the computed, page-aligned prefix goes
     /// into the tree (so others can share it), duplicates are freed, and the request's lock
-    /// moves to the new deepest node.
+    /// moves to the new deepest node. Unlike SGLang, a chunk whose step is still in flight
+    /// waits for the next call: if that step failed, its KV must not be in the tree.
     fn cache_unfinished(&mut self, idx: usize) {
         if self.tree.is_disabled() {
             return;
         }
+        let computed = self.req(idx).computed_len.min(self.req(idx).kv_len());
+        if computed <= self.req(idx).prefix_len {
+            return; // nothing committed since the last call
+        }
         let mut req = self.reqs[idx].take().expect("live request");
-        let kv = req.kv_len();
+        let kv = computed;
         let fill = req.fill_ids();
         let key = &fill[..kv];
         debug_assert!(
             kv.is_multiple_of(self.cfg.page_size),
             "chunks end on page boundaries"
         );
-        let present = self.tree.insert(key, &req.kv_slots);
+        let present = self.tree.insert(key, &req.kv_slots[..kv]);
         self.pool.free(&req.kv_slots[req.prefix_len..present]);
         self.scratch.clear();
         let (matched, node) = self.tree.match_prefix(key, &mut self.scratch);
@@ -559,7 +568,7 @@ impl Scheduler {
         if present > req.prefix_len {
             req.stale_row_from = Some(req.stale_row_from.unwrap_or(req.prefix_len));
         }
-        req.kv_slots.copy_from_slice(&self.scratch[..kv]);
+        req.kv_slots[..kv].copy_from_slice(&self.scratch[..kv]);
         req.prefix_len = matched;
         req.last_node = node;
         self.reqs[idx] = Some(req);
@@ -664,6 +673,7 @@ impl Scheduler {
             let values = std::mem::take(&mut self.scratch);
             let req = self.req_mut(idx);
             req.prefix_len = matched;
+            req.computed_len = matched;
             req.last_node = node;
             req.kv_slots = values;
             if req.state == ReqState::Waiting {
@@ -913,7 +923,13 @@ impl Scheduler {
             req.state = ReqState::Chunked;
             self.chunked = Some(idx);
         }
-        entries.push(Entry { idx, sample: whole });
+        let req = self.req(idx);
+        entries.push(Entry {
+            idx,
+            sample: whole,
+            kv_end: req.kv_len(),
+            retractions: req.retractions,
+        });
     }
 
     fn push_request_arrays(
@@ -955,7 +971,13 @@ impl Scheduler {
         let req = self.req_mut(idx);
         req.kv_slots.push(slot);
         req.pending_tokens += 1;
-        entries.push(Entry { idx, sample: true });
+        let req = self.req(idx);
+        entries.push(Entry {
+            idx,
+            sample: true,
+            kv_end: req.kv_len(),
+            retractions: req.retractions,
+        });
     }
 
     /// New pages the decode of `reqs` needs (one per request sitting on a page boundary).
@@ -1026,6 +1048,7 @@ impl Scheduler {
         self.release_memory(idx, false);
         let req = self.req_mut(idx);
         req.state = ReqState::Retracted;
+        req.retractions += 1;
         plan.retracted.push(req.rid as i64);
         self.waiting.insert(0, idx);
     }
@@ -1053,6 +1076,7 @@ impl Scheduler {
         }
         req.kv_slots.clear();
         req.prefix_len = 0;
+        req.computed_len = 0;
         req.last_node = ROOT;
         self.reqs[idx] = Some(req);
     }
@@ -1102,6 +1126,9 @@ impl Scheduler {
                 .as_mut()
                 .expect("in-flight requests stay live");
             req.inflight_steps -= 1;
+            if e.retractions == req.retractions {
+                req.computed_len = req.computed_len.max(e.kv_end);
+            }
             if !e.sample {
                 continue;
             }

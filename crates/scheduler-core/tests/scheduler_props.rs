@@ -529,7 +529,8 @@ fn cached_after_in_flight_abort(fail: bool) -> usize {
         ignore_eos: true,
         priority: 0,
     };
-    s.add_request(1, prompt.clone(), limits.clone()).expect("fits");
+    s.add_request(1, prompt.clone(), limits.clone())
+        .expect("fits");
     let plan = s.schedule();
     assert_eq!(plan.rids, vec![1]);
     let status = if fail {
@@ -539,7 +540,10 @@ fn cached_after_in_flight_abort(fail: bool) -> usize {
     };
     assert_eq!(status, AbortStatus::Deferred);
     let out = s.commit(plan.id, &[7]).expect("commit");
-    assert!(out.tokens.is_empty(), "an aborted request's token is dropped");
+    assert!(
+        out.tokens.is_empty(),
+        "an aborted request's token is dropped"
+    );
     assert!(matches!(out.finished[0].reason, FinishReason::Abort(_)));
     s.check().expect("integrity");
     s.add_request(2, prompt, limits).expect("fits");
@@ -549,6 +553,60 @@ fn cached_after_in_flight_abort(fail: bool) -> usize {
 
 #[test]
 fn a_request_whose_step_failed_leaves_nothing_in_the_prefix_cache() {
-    assert!(cached_after_in_flight_abort(false) > 0, "an abort caches the computed prefix");
+    assert!(
+        cached_after_in_flight_abort(false) > 0,
+        "an abort caches the computed prefix"
+    );
     assert_eq!(cached_after_in_flight_abort(true), 0);
+}
+
+/// A chunked prefill under overlap: chunk 1 commits, chunk 2's step is in flight while chunk
+/// 3 is planned, then chunk 2's step fails (or not). Returns what a second request with the
+/// same prompt finds cached.
+fn cached_after_chunked_prefill(fail_chunk_2: bool) -> usize {
+    let mut s = Scheduler::new(SchedulerConfig {
+        max_total_tokens: 256,
+        context_len: 128,
+        chunked_prefill_size: Some(16),
+        eos_token_ids: vec![EOS],
+        ..SchedulerConfig::default()
+    })
+    .expect("valid config");
+    let prompt: Vec<u32> = (1..=40).collect();
+    let limits = SamplingLimits {
+        max_new_tokens: 1,
+        min_new_tokens: 0,
+        stop_token_ids: vec![],
+        ignore_eos: true,
+        priority: 0,
+    };
+    s.add_request(1, prompt.clone(), limits.clone())
+        .expect("fits");
+    let chunk_1 = s.schedule();
+    assert_eq!(chunk_1.extend_lens, vec![16]);
+    s.commit(chunk_1.id, &[0]).expect("commit");
+    let chunk_2 = s.schedule();
+    assert_eq!(chunk_2.prefix_lens, vec![16]);
+    let chunk_3 = s.schedule(); // planned while chunk 2 is in flight
+    assert_eq!(chunk_3.prefix_lens, vec![32]);
+    if fail_chunk_2 {
+        assert_eq!(s.fail(1, "step failed".into()), AbortStatus::Deferred);
+    }
+    s.commit(chunk_2.id, &[0]).expect("commit");
+    s.commit(chunk_3.id, &[5]).expect("commit");
+    s.check().expect("integrity");
+    assert!(!s.has_work(), "the request is over (one token, or failed)");
+    s.add_request(2, prompt, limits).expect("fits");
+    let _ = s.schedule();
+    s.request(2).expect("live").cached_tokens
+}
+
+#[test]
+fn a_chunk_in_flight_enters_the_prefix_cache_only_once_its_step_committed() {
+    assert_eq!(
+        cached_after_chunked_prefill(true),
+        16,
+        "only chunk 1 was ever computed"
+    );
+    assert_eq!(cached_after_chunked_prefill(false), 39);
 }
