@@ -247,7 +247,7 @@ def test_queue_limit_answers_503_and_a_dying_scheduler_takes_the_server_down(
         assert httpx.get(f"{url}/health").status_code == 200
         pid = httpx.get(f"{url}/get_server_info").json()["scheduler_pid"]
         os.kill(pid, signal.SIGKILL)
-        proc.wait(timeout=60)
+        assert proc.wait(timeout=60) == 1
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -131,6 +131,8 @@ class _Server(uvicorn.Server):
     frontend: Frontend | None = None
     loop: asyncio.AbstractEventLoop | None = None
     drain_timeout_s: float = 30.0
+    # Set when the scheduler process died: the server then exits non-zero.
+    scheduler_died = False
     _draining = False
 
     def handle_exit(self, sig: int, frame: Any) -> None:
@@ -261,6 +263,7 @@ async def _watchdog(proc: Any, frontend: Frontend, server: _Server | None) -> No
     frontend.healthy = False
     frontend.abort_all("the scheduler process died")
     if server is not None:
+        server.scheduler_died = True
         server.should_exit = True
 
 
@@ -280,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.socket_send_buffer_bytes is not None:
         sockets = [_listening_socket(ns.host, ns.port, ns.socket_send_buffer_bytes)]
     server.run(sockets=sockets)
-    return 0
+    return 1 if server.scheduler_died else 0
 
 
 def _listening_socket(host: str, port: int, send_buffer: int) -> socket.socket:
