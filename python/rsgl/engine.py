@@ -30,6 +30,7 @@ from rsgl.validation import (
     RequestLimits,
     check_messages,
     check_prompt,
+    check_text,
     make_sampling_params,
 )
 
@@ -257,7 +258,9 @@ class Engine:
             )
             return check_prompt([int(t) for t in cast(list[int], ids)], self.limits, "messages")
         if isinstance(prompt, str):
-            return check_prompt(list(self.tokenizer.encode(prompt)), self.limits)
+            return check_prompt(
+                list(self.tokenizer.encode(check_text(prompt, "prompt"))), self.limits
+            )
         return check_prompt(prompt, self.limits, "input_ids")
 
     def _start_requests(

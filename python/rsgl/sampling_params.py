@@ -17,6 +17,9 @@ FLOAT_FIELDS = (
     "presence_penalty",
 )
 
+# The sampler computes in float32: larger magnitudes cannot even be stored.
+FLOAT32_MAX = 3.4028234663852886e38
+
 # Below this temperature a request is decoded greedily (dividing by ~0 would overflow).
 GREEDY_TEMPERATURE = 1e-6
 
@@ -77,6 +80,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value):
                 _bad(name, value, "must be a finite number")
+            if abs(value) > FLOAT32_MAX:
+                _bad(name, value, "must fit a float32")
         if self.temperature < 0:
             _bad("temperature", self.temperature, "must be >= 0")
         if not 0 < self.top_p <= 1:

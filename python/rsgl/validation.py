@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from rsgl.errors import InvalidRequest
-from rsgl.sampling_params import FLOAT_FIELDS, SamplingParams
+from rsgl.sampling_params import FLOAT32_MAX, FLOAT_FIELDS, SamplingParams
 
 # A seed must fit 64 bits, signed or not (the sampler hashes its low 63 bits).
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
@@ -111,6 +112,17 @@ def resolve_max_new_tokens(
     return min(requested, room)
 
 
+def check_text(text: str, param: str) -> str:
+    """Text that is valid Unicode (JSON can carry lone surrogates, which no tokenizer takes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(
+            f"{param} is not valid Unicode: {exc.reason} at character {exc.start}", param
+        ) from None
+    return text
+
+
 def check_int64(value: Any, param: str) -> int:
     """An integer that fits int64 (the core's request fields)."""
     if type(value) is not int or not -INT64_MAX - 1 <= value <= INT64_MAX:
@@ -129,7 +141,7 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(m, Mapping):
             raise InvalidRequest(f"{where} must be an object with role and content", where)
         role = m.get("role")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:
             known = ", ".join(sorted(CHAT_ROLES))
             raise InvalidRequest(f"{where}.role must be one of {known}; got {role!r}", where)
         content = m.get("content")
@@ -141,7 +153,7 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
             raise InvalidRequest(
                 f"{where}.content must be a string or a list of text parts", f"{where}.content"
             )
-        out.append(dict(m, content=content))
+        out.append(dict(m, content=check_text(content, f"{where}.content")))
     return out
 
 
@@ -249,8 +261,8 @@ def _typed(name: str, key: str, value: Any, limits: RequestLimits) -> Any:
     if name in FLOAT_FIELDS:
         if type(value) not in (int, float):
             raise InvalidRequest(f"{key} must be a number, got {value!r}", key)
-        if not math.isfinite(value):
-            raise InvalidRequest(f"{key} must be a finite number, got {value!r}", key)
+        if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+            raise InvalidRequest(f"{key} must be a finite float32 number, got {value!r}", key)
         return float(value)
     if name in _INT_FIELDS or name == "max_new_tokens":
         if value is None:
@@ -280,6 +292,8 @@ def _check_stop(stop: Any, limits: RequestLimits) -> list[str]:
             f"at most {limits.max_stop_strings} stop strings are allowed, got {len(strings)}",
             "stop",
         )
+    for s in strings:
+        check_text(s, "stop")
     longest = max((len(s) for s in strings), default=0)
     if longest > limits.max_stop_string_len:
         raise InvalidRequest(
@@ -298,7 +312,8 @@ def check_logit_bias(bias: Any, limits: RequestLimits) -> dict[int, float]:
     for key, value in bias.items():
         token = key
         if isinstance(key, str):
-            token = int(key) if key.strip().lstrip("-").isdigit() else None
+            # ASCII digits only: str.isdigit() also takes superscripts, which int() refuses.
+            token = int(key) if re.fullmatch(r"[0-9]{1,10}", key) else None
         if type(token) is not int or not 0 <= token < limits.vocab_size:
             raise InvalidRequest(
                 f"logit_bias key {key!r} is not a token id of this model "

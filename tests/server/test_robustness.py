@@ -129,6 +129,18 @@ BAD_BODIES: list[tuple[str, dict[str, Any], str | None]] = [
     ("/generate", dict(OK_GENERATE, sampling_params={"temperature": "hot"}), "temperature"),
     ("/generate", dict(OK_GENERATE, sampling_params={"stop_token_ids": [-1]}), "stop_token_ids"),
     ("/generate", dict(OK_GENERATE, sampling_params={"n": 0}), "n"),
+    # Found by schemathesis and by hand: each used to answer 500.
+    (CHAT, dict(OK_CHAT, messages=[{"role": {}, "content": "x"}]), "messages.0"),
+    (CHAT, dict(OK_CHAT, messages=[{"role": [], "content": "x"}]), "messages.0"),
+    (COMPLETIONS, dict(OK_COMPLETION, repetition_penalty=3.403e38), "repetition_penalty"),
+    (COMPLETIONS, dict(OK_COMPLETION, temperature=3.403e38), "temperature"),
+    ("/generate", dict(OK_GENERATE, sampling_params={"temperature": 1e39}), "temperature"),
+    (COMPLETIONS, dict(OK_COMPLETION, logit_bias={"\u00b2": 1}), "logit_bias"),
+    (COMPLETIONS, dict(OK_COMPLETION, logit_bias={"--5": 1}), "logit_bias"),
+    (COMPLETIONS, dict(OK_COMPLETION, prompt="\ud800"), "prompt"),
+    ("/generate", dict(OK_GENERATE, text="a\udc00"), "text"),
+    (COMPLETIONS, dict(OK_COMPLETION, stop=["\udc00"]), "stop"),
+    (CHAT, dict(OK_CHAT, messages=[{"role": "user", "content": "\ud800"}]), "messages.0.content"),
 ]
 
 
@@ -136,7 +148,10 @@ BAD_BODIES: list[tuple[str, dict[str, Any], str | None]] = [
 def test_bad_input_gets_a_400_naming_the_parameter(
     server: str, path: str, body: dict[str, Any], param: str | None
 ) -> None:
-    err = openai_error(httpx.post(f"{server}{path}", json=body, timeout=60), 400)
+    # json.dumps escapes lone surrogates (\\ud800), as JavaScript's JSON.stringify does.
+    raw = json.dumps(body)
+    headers = {"content-type": "application/json"}
+    err = openai_error(httpx.post(f"{server}{path}", content=raw, headers=headers, timeout=60), 400)
     assert err["param"] == param, err
 
 
@@ -202,7 +217,8 @@ def test_good_requests_complete_while_bad_ones_arrive_with_them(server: str) -> 
 
     async def bad(c: httpx.AsyncClient, i: int) -> int:
         path, body, _ = BAD_BODIES[i % len(BAD_BODIES)]
-        return (await c.post(path, json=body)).status_code
+        headers = {"content-type": "application/json"}
+        return (await c.post(path, content=json.dumps(body), headers=headers)).status_code
 
     async def run() -> tuple[list[tuple[int, str | None]], list[int]]:
         async with httpx.AsyncClient(base_url=server, timeout=300) as c:
@@ -370,6 +386,8 @@ def test_abort_request_aborts_exactly_the_named_request(server: str) -> None:
             b = asyncio.ensure_future(stream(c, dict(long, rid="job", max_tokens=40), both[1]))
             await both[0].wait()
             await both[1].wait()
+            busy = await c.post("/flush_cache")
+            assert openai_error(busy, 400)["message"].startswith("cannot flush the cache")
             aborted = (await c.post("/abort_request", json={"rid": "job-a"})).json()
             return await a, await b, aborted
 

@@ -36,6 +36,7 @@ from rsgl.validation import (
     check_int64,
     check_messages,
     check_prompt,
+    check_text,
     make_sampling_params,
 )
 
@@ -178,8 +179,8 @@ def create_app(
             param = names.get(exc.param, exc.param) if exc.param else None
             raise InvalidRequest(exc.message, param) from exc
 
-    def encode(text: str) -> list[int]:
-        return [int(t) for t in st().tokenizer.encode(text)]
+    def encode(text: str, param: str) -> list[int]:
+        return [int(t) for t in st().tokenizer.encode(check_text(text, param))]
 
     async def start(
         jobs: list[tuple[list[int], SamplingParams]], n: int, rid: str | None, priority: int
@@ -373,7 +374,10 @@ def create_app(
         prompts: list[Any] = [p] if isinstance(p, str) or _is_ids(p) else list(p)
         if not prompts:
             raise bad_request("the prompt is empty", "prompt")
-        ids = [check_prompt(encode(x) if isinstance(x, str) else x, st().limits) for x in prompts]
+        ids = [
+            check_prompt(encode(x, "prompt") if isinstance(x, str) else x, st().limits)
+            for x in prompts
+        ]
         raw = req.sampling_params()
         raw.update(n=req.n, max_new_tokens=req.max_tokens)
         if req.logprobs is not None:
@@ -524,7 +528,7 @@ def create_app(
         if (req.text is None) == (req.input_ids is None):
             raise bad_request("give exactly one of text or input_ids", "text")
         if req.text is not None:
-            ids = check_prompt(encode(req.text), st().limits, "text")
+            ids = check_prompt(encode(req.text, "text"), st().limits, "text")
         else:
             ids = check_prompt(req.input_ids, st().limits, "input_ids")
         params, n = sampling(req.sampling_params or {}, ids, {})
@@ -553,10 +557,9 @@ def create_app(
 
     @app.post("/flush_cache")
     async def flush_cache() -> JSONResponse:
-        ok = await st().frontend.flush_cache()
-        status = 200 if ok else 400
-        message = "cache flushed" if ok else "cannot flush the cache while requests are running"
-        return JSONResponse({"success": ok, "message": message}, status_code=status)
+        if not await st().frontend.flush_cache():
+            raise bad_request("cannot flush the cache while requests are running")
+        return JSONResponse({"success": True, "message": "cache flushed"})
 
     @app.get("/get_server_info")
     async def server_info() -> dict[str, Any]:

@@ -131,13 +131,15 @@ class Frontend:
         detok = IncrementalDetokenizer(
             self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens
         )
+        wire = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+        # Encoded before the request is registered: if that fails, nothing is left behind.
+        message = ipc.encoder.encode(ipc.AddRequest(rid, prompt_ids, wire, priority))
         state = ReqState(rid, prompt_ids, params, detok, group or rid)
         if self.request_timeout_s is not None:
             state.deadline = state.created + self.request_timeout_s
         self.pending[rid] = state
         self._groups.setdefault(state.group, set()).add(rid)
-        wire = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
-        self._send(ipc.AddRequest(rid, prompt_ids, wire, priority))
+        self.commands.send(message)
         if self.log_requests:
             logger.info("request %s: %d prompt tokens, %s", rid, len(prompt_ids), wire)
         return state

@@ -1,10 +1,116 @@
-"""OpenAI-compatible and SGLang-native request bodies, and OpenAI-shaped errors."""
+"""OpenAI-compatible and SGLang-native request bodies, and OpenAI-shaped errors.
+
+Pydantic checks only the JSON types here; ranges and the model's limits are checked once,
+by `rsgl.validation`, for the Engine and the server alike. The published OpenAPI schema
+still states those ranges (the `bounds` of each field), so that it describes what the server
+accepts; limits an operator sets at launch (`--max-n`, the vocabulary, the context) are given
+in words.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import types
+import typing
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from rsgl.sampling_params import FLOAT32_MAX, SamplingParams
+from rsgl.validation import CHAT_ROLES, INT64_MAX, MAX_LOGIT_BIAS, SEED_MAX, SEED_MIN
+
+# JSON Schema bounds of each sampling field, as rsgl.validation enforces them.
+FLOAT32 = {"minimum": -FLOAT32_MAX, "maximum": FLOAT32_MAX}
+INT64 = {"minimum": -INT64_MAX - 1, "maximum": INT64_MAX}
+TOKEN_IDS = {"items": {"type": "integer", "minimum": 0}}
+BOUNDS: dict[str, dict[str, Any]] = {
+    "temperature": {"minimum": 0, "maximum": FLOAT32_MAX},
+    "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"minimum": -1, "maximum": INT64_MAX, "not": {"const": 0}},
+    "min_p": {"minimum": 0, "maximum": 1},
+    "repetition_penalty": {"exclusiveMinimum": 0, "maximum": FLOAT32_MAX},
+    "frequency_penalty": {"minimum": -2, "maximum": 2},
+    "presence_penalty": {"minimum": -2, "maximum": 2},
+    "seed": {"minimum": SEED_MIN, "maximum": SEED_MAX},
+    "n": {"minimum": 1, "description": "at most the server's --max-n (default 128)"},
+    "max_new_tokens": {"minimum": 0, "description": "prompt + this must fit the context"},
+    "min_new_tokens": {"minimum": 0, "maximum": INT64_MAX},
+    "stop_token_ids": TOKEN_IDS,
+    "token_ids_logprob": TOKEN_IDS,
+    "top_logprobs_num": {"minimum": 0, "description": "at most the server's --max-logprobs"},
+    "logit_bias": {
+        "propertyNames": {"pattern": "^[0-9]{1,10}$"},
+        "additionalProperties": {
+            "type": "number",
+            "minimum": -MAX_LOGIT_BIAS,
+            "maximum": MAX_LOGIT_BIAS,
+        },
+    },
+    "priority": INT64,
+}
+
+
+def bounded(default: Any, name: str, **kwargs: Any) -> Any:
+    """A pydantic field whose schema carries BOUNDS[name]."""
+    return Field(default, json_schema_extra=BOUNDS[name], **kwargs)
+
+
+def _json_type(annotation: Any) -> dict[str, Any]:
+    """The JSON Schema of a SamplingParams field type."""
+    origin = typing.get_origin(annotation)
+    if origin in (types.UnionType, typing.Union):
+        return {"anyOf": [_json_type(a) for a in typing.get_args(annotation)]}
+    if origin is list:
+        return {"type": "array", "items": _json_type(typing.get_args(annotation)[0])}
+    if origin is dict:
+        return {
+            "type": "object",
+            "additionalProperties": _json_type(typing.get_args(annotation)[1]),
+        }
+    simple = {float: "number", int: "integer", bool: "boolean", str: "string", type(None): "null"}
+    return {"type": simple[annotation]}
+
+
+def native_sampling_schema() -> dict[str, Any]:
+    """The schema of /generate's `sampling_params`: SamplingParams' fields and `n`."""
+    hints = typing.get_type_hints(SamplingParams)
+    properties = {"n": {"type": "integer", **BOUNDS["n"]}}
+    for f in dataclasses.fields(SamplingParams):
+        schema = _json_type(hints[f.name])
+        if f.name == "max_new_tokens":
+            schema = {"anyOf": [schema, {"type": "null"}]}
+        properties[f.name] = {**schema, **BOUNDS.get(f.name, {})}
+    properties["stop"] = {
+        "anyOf": [{"type": "string"}, properties["stop"], {"type": "null"}],
+        "description": "at most --max-stop-strings strings of --max-stop-string-len characters",
+    }
+    properties["logprobs"] = {"type": "boolean", "description": "alias of return_logprob"}
+    properties["top_logprobs"] = {**properties["top_logprobs_num"], "description": "alias"}
+    return {"type": "object", "properties": properties, "additionalProperties": False}
+
+
+# A chat message as rsgl.validation.check_messages accepts it.
+CHAT_MESSAGE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "role": {"enum": sorted(CHAT_ROLES)},
+        "content": {
+            "anyOf": [
+                {"type": "string"},
+                {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                        "required": ["type", "text"],
+                    },
+                },
+                {"type": "null", "description": "assistant messages only"},
+            ]
+        },
+    },
+    "required": ["role"],
+}
 
 
 class StreamOptions(BaseModel):
@@ -17,25 +123,25 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
+    temperature: float | None = bounded(None, "temperature")
+    top_p: float | None = bounded(None, "top_p")
+    n: int = bounded(1, "n")
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
+    seed: int | None = bounded(None, "seed")
+    frequency_penalty: float = bounded(0.0, "frequency_penalty")
+    presence_penalty: float = bounded(0.0, "presence_penalty")
     user: str | None = None
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    top_k: int = bounded(-1, "top_k")
+    min_p: float = bounded(0.0, "min_p")
+    repetition_penalty: float = bounded(1.0, "repetition_penalty")
+    min_tokens: int = bounded(0, "min_new_tokens")
+    stop_token_ids: list[int] | None = bounded(None, "stop_token_ids")
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    logit_bias: dict[str, float] | None = None
-    priority: int = 0
+    logit_bias: dict[str, float] | None = bounded(None, "logit_bias")
+    priority: int = bounded(0, "priority")
     rid: str | None = None
 
     def sampling_params(self) -> dict[str, Any]:
@@ -63,20 +169,24 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        json_schema_extra={"description": "text, token ids, or a batch of either; not empty"}
+    )
+    max_tokens: int | None = bounded(16, "max_new_tokens")
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = bounded(None, "top_logprobs_num")
 
 
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: list[dict[str, Any]] = Field(
+        min_length=1, json_schema_extra={"items": CHAT_MESSAGE_SCHEMA}
+    )
+    max_tokens: int | None = bounded(None, "max_new_tokens")
+    max_completion_tokens: int | None = bounded(None, "max_new_tokens")
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = bounded(None, "top_logprobs_num")
 
 
 class GenerateRequest(BaseModel):
@@ -85,8 +195,10 @@ class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     text: str | None = None
-    input_ids: list[int] | None = None
-    sampling_params: dict[str, Any] | None = None
+    input_ids: list[int] | None = bounded(None, "stop_token_ids")
+    sampling_params: dict[str, Any] | None = Field(
+        None, json_schema_extra={"anyOf": [native_sampling_schema(), {"type": "null"}]}
+    )
     stream: bool = False
     rid: str | None = None
 
