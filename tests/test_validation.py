@@ -92,6 +92,14 @@ def test_max_new_tokens_must_fit_the_context_unless_auto_truncate() -> None:
         ({"max_new_tokens": 1000}, "max_new_tokens"),
         ({"min_new_tokens": 9, "max_new_tokens": 8}, "min_new_tokens"),
         ({"ignore_eos": "yes"}, "ignore_eos"),
+        ({"temperature": 10**400}, "temperature"),
+        ({"temperature": 3.5e38}, "temperature"),
+        ({"repetition_penalty": 1e-40}, "repetition_penalty"),
+        ({"stop_token_ids": list(range(65))}, "stop_token_ids"),
+        ({"token_ids_logprob": list(range(21))}, "token_ids_logprob"),
+        ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+        ({"logit_bias": {"\u00b2": 1}}, "logit_bias"),
+        ({"stop": ["\ud800"]}, "stop"),
         ({"no_such_field": 1}, "no_such_field"),
     ],
 )
@@ -135,3 +143,9 @@ def test_chat_messages_need_known_roles_and_text_content() -> None:
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     assert param_of(check_messages, image) == "messages.0.content"
     assert param_of(check_messages, ["hi"]) == "messages.0"
+    assert param_of(check_messages, [{"role": {}, "content": "x"}]) == "messages.0"
+
+
+def test_repeated_ids_count_once() -> None:
+    params, _ = make_sampling_params({"stop_token_ids": [5, 5, 6] * 40}, LIMITS, 10)
+    assert params.stop_token_ids == [5, 6]

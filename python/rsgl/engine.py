@@ -185,7 +185,12 @@ class _Collector:
 
     def deliver(self, text: str, ids: list[int], meta: dict[str, Any] | None) -> None:
         if self.aio_loop is not None and self.aio_queue is not None:
-            self.aio_loop.call_soon_threadsafe(self.aio_queue.put_nowait, (text, ids, meta))
+            if self.aio_loop.is_closed():
+                return  # the caller's event loop is gone, and with it the consumer
+            try:
+                self.aio_loop.call_soon_threadsafe(self.aio_queue.put_nowait, (text, ids, meta))
+            except RuntimeError:
+                pass  # closed between the check and the call
         else:
             self.sync_queue.put((text, ids, meta))
 

@@ -19,6 +19,7 @@ FLOAT_FIELDS = (
 
 # The sampler computes in float32: larger magnitudes cannot even be stored.
 FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
 
 # Below this temperature a request is decoded greedily (dividing by ~0 would overflow).
 GREEDY_TEMPERATURE = 1e-6
@@ -78,10 +79,11 @@ class SamplingParams:
         """Raise InvalidRequest (a ValueError) naming the first out-of-range field."""
         for name in FLOAT_FIELDS:
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value):
+            # The magnitude first: math.isfinite(10**400) raises OverflowError.
+            if not isinstance(value, (int, float)) or abs(value) > FLOAT32_MAX:
+                _bad(name, value, "must be a number that fits a float32")
+            if not math.isfinite(value):
                 _bad(name, value, "must be a finite number")
-            if abs(value) > FLOAT32_MAX:
-                _bad(name, value, "must fit a float32")
         if self.temperature < 0:
             _bad("temperature", self.temperature, "must be >= 0")
         if not 0 < self.top_p <= 1:
@@ -90,8 +92,9 @@ class SamplingParams:
             _bad("top_k", self.top_k, "must be -1 (disabled) or >= 1")
         if not 0 <= self.min_p <= 1:
             _bad("min_p", self.min_p, "must be in [0, 1]")
-        if self.repetition_penalty <= 0:
-            _bad("repetition_penalty", self.repetition_penalty, "must be > 0")
+        if self.repetition_penalty < FLOAT32_TINY:
+            # Smaller values round to 0 in float32, and the sampler divides by them.
+            _bad("repetition_penalty", self.repetition_penalty, "must be > 0 (>= 1.2e-38)")
         if not -2 <= self.frequency_penalty <= 2:
             _bad("frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
         if not -2 <= self.presence_penalty <= 2:

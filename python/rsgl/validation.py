@@ -24,8 +24,11 @@ from rsgl.sampling_params import FLOAT32_MAX, FLOAT_FIELDS, SamplingParams
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 # Other integers must fit the core's int64 fields.
 INT64_MAX = (1 << 63) - 1
-# OpenAI bounds logit_bias values to [-100, 100].
+# OpenAI bounds logit_bias values to [-100, 100], and to 300 tokens.
 MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_TOKENS = 300
+# Per-request id lists widen per-slot tables in the sampler and are scanned per token.
+MAX_STOP_TOKEN_IDS = 64
 # SGLang's max_new_tokens when a native request names none.
 DEFAULT_MAX_NEW_TOKENS = 128
 # Chat roles a chat template may meet.
@@ -214,15 +217,13 @@ def make_sampling_params(
     if stop is not None:
         fields["stop"] = _check_stop(stop, limits)
     if "stop_token_ids" in fields:
-        fields["stop_token_ids"] = check_token_ids(
-            fields["stop_token_ids"], limits, _key_of("stop_token_ids", values)
-        )
+        ids = check_token_ids(fields["stop_token_ids"], limits, _key_of("stop_token_ids", values))
+        fields["stop_token_ids"] = _bounded_unique(ids, MAX_STOP_TOKEN_IDS, "stop_token_ids")
     if "logit_bias" in fields:
         fields["logit_bias"] = check_logit_bias(fields["logit_bias"], limits)
     if "token_ids_logprob" in fields:
-        fields["token_ids_logprob"] = check_token_ids(
-            fields["token_ids_logprob"], limits, "token_ids_logprob"
-        )
+        ids = check_token_ids(fields["token_ids_logprob"], limits, "token_ids_logprob")
+        fields["token_ids_logprob"] = _bounded_unique(ids, limits.max_logprobs, "token_ids_logprob")
     top = fields.get("top_logprobs_num", 0)
     if not 0 <= top <= limits.max_logprobs:
         raise InvalidRequest(
@@ -248,6 +249,16 @@ def make_sampling_params(
         raise InvalidRequest(exc.message, param) from exc
 
 
+def _bounded_unique(ids: list[int], limit: int, param: str) -> list[int]:
+    """`ids` without repeats (first occurrences kept), at most `limit` of them."""
+    unique = list(dict.fromkeys(ids))
+    if len(unique) > limit:
+        raise InvalidRequest(
+            f"{param} may hold at most {limit} token ids, got {len(unique)}", param
+        )
+    return unique
+
+
 def _key_of(name: str, raw: Mapping[str, Any]) -> str:
     """The caller's spelling of field `name` (an alias if they used one)."""
     for alias, target in _ALIASES.items():
@@ -261,7 +272,8 @@ def _typed(name: str, key: str, value: Any, limits: RequestLimits) -> Any:
     if name in FLOAT_FIELDS:
         if type(value) not in (int, float):
             raise InvalidRequest(f"{key} must be a number, got {value!r}", key)
-        if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+        # The magnitude first: math.isfinite(10**400) raises OverflowError.
+        if abs(value) > FLOAT32_MAX or not math.isfinite(value):
             raise InvalidRequest(f"{key} must be a finite float32 number, got {value!r}", key)
         return float(value)
     if name in _INT_FIELDS or name == "max_new_tokens":
@@ -308,6 +320,11 @@ def check_logit_bias(bias: Any, limits: RequestLimits) -> dict[int, float]:
     """OpenAI's `logit_bias` (token id, as int or decimal string -> bias in [-100, 100])."""
     if not isinstance(bias, Mapping):
         raise InvalidRequest("logit_bias must map token ids to numbers", "logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise InvalidRequest(
+            f"logit_bias may hold at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(bias)}",
+            "logit_bias",
+        )
     out: dict[int, float] = {}
     for key, value in bias.items():
         token = key

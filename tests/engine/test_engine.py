@@ -203,6 +203,14 @@ def test_bad_input_raises_value_error_and_the_engine_keeps_serving(engine: Engin
         with pytest.raises(InvalidRequest) as info:
             engine.generate(**kwargs)
         assert info.value.param == param, (kwargs, info.value)
+    # A batch refused by the loop (a repeated id) takes back what it queued, including
+    # around a request that had nothing to generate.
+    with pytest.raises(ValueError, match="already in use"):
+        engine.generate(
+            input_ids=[[1, 2], [3, 4], [5, 6]],
+            sampling_params=[{"max_new_tokens": 4}, {"max_new_tokens": 0}, {"max_new_tokens": 4}],
+            rid=["a", "b", "a"],
+        )
     assert engine.generate("Hello", GREEDY)["meta_info"]["completion_tokens"] > 0
     engine.check_integrity()
 

@@ -141,6 +141,15 @@ BAD_BODIES: list[tuple[str, dict[str, Any], str | None]] = [
     ("/generate", dict(OK_GENERATE, text="a\udc00"), "text"),
     (COMPLETIONS, dict(OK_COMPLETION, stop=["\udc00"]), "stop"),
     (CHAT, dict(OK_CHAT, messages=[{"role": "user", "content": "\ud800"}]), "messages.0.content"),
+    # Found in review: each used to answer 500 or to widen the sampler's tables at will.
+    ("/generate", dict(OK_GENERATE, sampling_params={"temperature": 10**400}), "temperature"),
+    (COMPLETIONS, dict(OK_COMPLETION, stop_token_ids=list(range(65))), "stop_token_ids"),
+    (
+        "/generate",
+        dict(OK_GENERATE, sampling_params={"token_ids_logprob": list(range(21))}),
+        "token_ids_logprob",
+    ),
+    (COMPLETIONS, dict(OK_COMPLETION, logit_bias={str(i): 1 for i in range(301)}), "logit_bias"),
 ]
 
 
@@ -181,6 +190,8 @@ def test_malformed_bodies_and_unknown_routes_get_openai_errors(server: str) -> N
     openai_error(httpx.post(url, content=bad_utf8, headers=json_type), 400)
     openai_error(httpx.post(url, content=b"[1, 2]", headers=json_type), 400)
     openai_error(httpx.get(f"{server}/no/such/path"), 404)
+    unknown_model = json.dumps(dict(OK_COMPLETION, model="\ud800"))
+    openai_error(httpx.post(url, content=unknown_model, headers=json_type), 404)
     openai_error(httpx.get(url), 405)
     started = time.perf_counter()
     big = {"model": MODEL, "prompt": "x" * 300_000}

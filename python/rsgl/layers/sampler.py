@@ -106,9 +106,12 @@ class SlotSamplingState:
         if not params.ignore_eos:
             stops += [t for t in self.eos_token_ids if t not in stops]
         self.stop_ids = _set_row(self.stop_ids, s, stops, -1)
+        # Both bias tables are widened before either row is written, so a failure (memory)
+        # cannot leave them with different widths.
+        bias_ids = _set_row(self.bias_ids, s, list(params.logit_bias), -1)
+        bias_values = _set_row(self.bias_values, s, list(params.logit_bias.values()), 0)
+        self.bias_ids, self.bias_values = bias_ids, bias_values
         self.has_bias[s] = bool(params.logit_bias)
-        self.bias_ids = _set_row(self.bias_ids, s, list(params.logit_bias), -1)
-        self.bias_values = _set_row(self.bias_values, s, list(params.logit_bias.values()), 0)
         self.logprob_ids = _set_row(self.logprob_ids, s, params.token_ids_logprob, -1)
 
         if params.has_penalties or self.output_counts is not None:

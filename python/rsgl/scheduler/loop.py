@@ -183,8 +183,9 @@ class SchedulerLoop:
         params: SamplingParams,
         deliver: Deliver,
         priority: int,
-    ) -> None:
-        """On the loop thread: registers a request with the core and here."""
+    ) -> bool:
+        """On the loop thread: registers a request with the core and here; False when it
+        is over at once (nothing to generate)."""
         if rid in self._by_rid:
             raise ValueError(f"request id {rid!r} is already in use")
         if params.max_new_tokens == 0:
@@ -193,7 +194,7 @@ class SchedulerLoop:
             meta = _meta(rid, {"type": "length", "length": 0})
             meta["prompt_tokens"] = len(prompt_ids)
             deliver("", [], meta)
-            return
+            return False
         core_id = self._next_core_id
         self.core.add_request(
             core_id,
@@ -212,6 +213,7 @@ class SchedulerLoop:
             )
         self._requests[core_id] = Request(rid, core_id, prompt_ids, params, deliver, detok)
         self._by_rid[rid] = core_id
+        return True
 
     def submit_many(
         self, requests: Sequence[tuple[str, list[int], SamplingParams, Deliver]]
@@ -223,8 +225,8 @@ class SchedulerLoop:
         def add_all() -> None:
             try:
                 for rid, prompt_ids, params, deliver in requests:
-                    self._add(rid, prompt_ids, params, deliver, 0)
-                    added.append(rid)
+                    if self._add(rid, prompt_ids, params, deliver, 0):
+                        added.append(rid)
             except BaseException:
                 for rid in added:
                     core_id = self._by_rid.pop(rid)
@@ -311,11 +313,11 @@ class SchedulerLoop:
                     launched = None
             if launched is not None:
                 self._process(launched)
-            self._abort_all("the engine is shutting down")
+            self._abort_all("the engine is shutting down", 503, "ServiceUnavailableError")
         except BaseException as exc:  # the engine reports it; requests must not hang
             logger.exception("rsgl scheduler loop failed")
             self.error = exc
-            self._abort_all(f"engine error: {exc!r}")
+            self._abort_all(f"engine error: {exc!r}", 500, "InternalServerError")
 
     def _admissions(self, plan: Plan) -> list[tuple[int, SamplingParams, list[int], list[int]]]:
         """Per-slot sampling state for requests that got a request slot in this plan."""
@@ -384,11 +386,12 @@ class SchedulerLoop:
         """Reads a step's tokens, commits them, streams text and finishes requests."""
         try:
             out = launched.result.result()
+            # Inside the try: on a GPU, an error of the step's kernels surfaces here.
+            tokens = out.next_token_ids.cpu().numpy()
         except Exception as exc:  # noqa: BLE001 - isolated: only this step's requests fail
             self._fail_step(launched.plan, exc)
             return
         self._failures_in_a_row = 0
-        tokens = out.next_token_ids.cpu().numpy()
         outcome = self.core.commit(launched.plan.id, tokens)
         index = None
         if out.sample.token_logprobs is not None:
@@ -453,9 +456,11 @@ class SchedulerLoop:
         info = self.core.request_info(req.core_id)
         return 0 if info is None else int(info.get("cached_tokens", 0))
 
-    def _abort_all(self, message: str) -> None:
+    def _abort_all(self, message: str, status_code: int, err_type: str) -> None:
+        reason = {"type": "abort", "message": message, "status_code": status_code}
+        reason["err_type"] = err_type
         for req in list(self._requests.values()):
-            self._complete(req, {"type": "abort", "message": message}, cached_tokens=0)
+            self._complete(req, dict(reason), cached_tokens=0)
 
 
 def _meta(rid: str, reason: dict[str, Any]) -> dict[str, Any]:

@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,43 +100,53 @@ def create_app(
     app = FastAPI(title="rsgl", version="0.1.0", lifespan=lifespan)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
 
+    def error_response(err: ApiError, headers: Mapping[str, str] | None = None) -> Response:
+        # ASCII JSON: a message quoting the client's input may hold a lone surrogate, which
+        # Starlette's JSONResponse (UTF-8, ensure_ascii off) cannot encode.
+        return Response(
+            json.dumps(err.body()),
+            status_code=err.status,
+            media_type="application/json",
+            headers=headers,
+        )
+
     def st() -> ServerState:
         assert holder.state is not None, "the server has not finished starting"
         return holder.state
 
     @app.exception_handler(ApiError)
-    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+    async def api_error(_: Request, exc: ApiError) -> Response:
+        return error_response(exc)
 
     @app.exception_handler(InvalidRequest)
-    async def invalid_request(_: Request, exc: InvalidRequest) -> JSONResponse:
-        return JSONResponse(bad_request(exc.message, exc.param).body(), status_code=400)
+    async def invalid_request(_: Request, exc: InvalidRequest) -> Response:
+        return error_response(bad_request(exc.message, exc.param))
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid_body(_: Request, exc: RequestValidationError) -> Response:
         first = exc.errors()[0] if exc.errors() else {}
         if first.get("type") == "json_invalid":
             # Its loc is a byte offset, not a parameter.
             where = first.get("loc", ("body", "?"))[-1]
             message = f"the request body is not valid JSON (at byte {where}): {first.get('msg')}"
-            return JSONResponse(bad_request(message).body(), status_code=400)
+            return error_response(bad_request(message))
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         message = f"invalid request: {param or 'body'}: {first.get('msg', 'invalid value')}"
-        return JSONResponse(bad_request(message, param).body(), status_code=400)
+        return error_response(bad_request(message, param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
         # Starlette's own refusals (unknown path, wrong method, an unreadable body).
         kind = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(
             exc.status_code, "BadRequestError"
         )
         err = ApiError(exc.status_code, str(exc.detail), kind)
-        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+        return error_response(err, exc.headers)
 
     @app.exception_handler(Exception)
-    async def internal(_: Request, exc: Exception) -> JSONResponse:
+    async def internal(_: Request, exc: Exception) -> Response:
         err = ApiError(500, f"internal error: {exc!r}", "InternalServerError")
-        return JSONResponse(err.body(), status_code=500)
+        return error_response(err)
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next: Any) -> Response:
@@ -144,7 +154,7 @@ def create_app(
         authorized = request.headers.get("authorization") == f"Bearer {key}"
         if key and request.url.path not in OPEN_PATHS and not authorized:
             err = ApiError(401, "invalid or missing API key", "AuthenticationError")
-            return JSONResponse(err.body(), status_code=401)
+            return error_response(err)
         response: Response = await call_next(request)
         return response
 
@@ -286,7 +296,9 @@ def create_app(
         return dict(body, **extra)
 
     def sse(obj: Any) -> str:
-        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+        # Generated text is valid Unicode; an error event may quote client input, so it is
+        # ASCII-escaped like every error body.
+        return f"data: {json.dumps(obj, ensure_ascii='error' in obj)}\n\n"
 
     def stream_response(body: AsyncIterator[str]) -> StreamingResponse:
         async def guarded() -> AsyncIterator[str]:

@@ -184,7 +184,7 @@ class Frontend:
         if status_code is not None:
             reason.update(status_code=status_code, err_type=err_type)
         meta = self._meta(state, reason)
-        self._finish(state, Update(state.detok.finish(), [], meta))
+        self._finish(state, Update(self._rest_of_text(state), [], meta))
         return True
 
     async def drain(self, timeout_s: float) -> None:
@@ -231,11 +231,18 @@ class Frontend:
         return await asyncio.wait_for(done, timeout=30)
 
     def abort_all(self, message: str) -> None:
-        """Ends every pending request (shutdown or a dead scheduler)."""
+        """Ends every pending request (shutdown or a dead scheduler): clients get a 503."""
         for rid in list(self.pending):
-            state = self.pending.pop(rid)
-            meta = self._meta(state, {"type": "abort", "message": message})
-            self._finish(state, Update(state.detok.finish(), [], meta))
+            self.abort(rid, message, 503, "ServiceUnavailableError")
+
+    def _rest_of_text(self, state: ReqState) -> str:
+        """The held-back tail of a request's text; "" if the detokenizer itself fails (an
+        error path must not fail the same way again)."""
+        try:
+            return state.detok.finish()
+        except Exception:
+            logger.exception("request %s: the end of its text could not be decoded", state.rid)
+            return ""
 
     def _send(self, command: ipc.Command) -> None:
         # PUSH to a connected peer below its high-water mark sends at once; not awaiting the
@@ -302,7 +309,7 @@ class Frontend:
                 return
         if meta is not None:
             del self.pending[out.rid]
-            text.append(state.detok.finish())
+            text.append(self._rest_of_text(state))
             self._finish(state, Update("".join(text), ids, meta))
         else:
             state.queue.put_nowait(Update("".join(text), ids))
