@@ -511,24 +511,33 @@ fn a_lone_decoder_waits_for_memory_held_by_an_in_flight_request() {
     run(setup, ops);
 }
 
-/// Runs one request's prefill, aborting it with `abort_or_fail` while the step is in flight,
-/// then returns how many prompt tokens a second request with the same prompt finds cached.
-fn cached_after_in_flight_abort(fail: bool) -> usize {
-    let mut s = Scheduler::new(SchedulerConfig {
+/// A small scheduler, a 40-token prompt and limits allowing `max_new_tokens`.
+fn small_setup(
+    chunk: Option<usize>,
+    max_new_tokens: usize,
+) -> (Scheduler, Vec<u32>, SamplingLimits) {
+    let s = Scheduler::new(SchedulerConfig {
         max_total_tokens: 256,
         context_len: 128,
+        chunked_prefill_size: chunk,
         eos_token_ids: vec![EOS],
         ..SchedulerConfig::default()
     })
     .expect("valid config");
-    let prompt: Vec<u32> = (1..=40).collect();
     let limits = SamplingLimits {
-        max_new_tokens: 8,
+        max_new_tokens,
         min_new_tokens: 0,
         stop_token_ids: vec![],
         ignore_eos: true,
         priority: 0,
     };
+    (s, (1..=40).collect(), limits)
+}
+
+/// Runs one request's prefill, aborting (or failing) it while the step is in flight, then
+/// returns how many prompt tokens a second request with the same prompt finds cached.
+fn cached_after_in_flight_abort(fail: bool) -> usize {
+    let (mut s, prompt, limits) = small_setup(None, 8);
     s.add_request(1, prompt.clone(), limits.clone())
         .expect("fits");
     let plan = s.schedule();
@@ -564,22 +573,7 @@ fn a_request_whose_step_failed_leaves_nothing_in_the_prefix_cache() {
 /// 3 is planned, then chunk 2's step fails (or not). Returns what a second request with the
 /// same prompt finds cached.
 fn cached_after_chunked_prefill(fail_chunk_2: bool) -> usize {
-    let mut s = Scheduler::new(SchedulerConfig {
-        max_total_tokens: 256,
-        context_len: 128,
-        chunked_prefill_size: Some(16),
-        eos_token_ids: vec![EOS],
-        ..SchedulerConfig::default()
-    })
-    .expect("valid config");
-    let prompt: Vec<u32> = (1..=40).collect();
-    let limits = SamplingLimits {
-        max_new_tokens: 1,
-        min_new_tokens: 0,
-        stop_token_ids: vec![],
-        ignore_eos: true,
-        priority: 0,
-    };
+    let (mut s, prompt, limits) = small_setup(Some(16), 1);
     s.add_request(1, prompt.clone(), limits.clone())
         .expect("fits");
     let chunk_1 = s.schedule();

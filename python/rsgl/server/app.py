@@ -569,7 +569,11 @@ def create_app(
 
     @app.post("/flush_cache")
     async def flush_cache() -> JSONResponse:
-        if not await st().frontend.flush_cache():
+        try:
+            flushed = await st().frontend.flush_cache()
+        except EngineUnavailable as exc:
+            raise ApiError(503, str(exc), "ServiceUnavailableError") from exc
+        if not flushed:
             raise bad_request("cannot flush the cache while requests are running")
         return JSONResponse({"success": True, "message": "cache flushed"})
 

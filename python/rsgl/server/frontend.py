@@ -28,6 +28,7 @@ from rsgl.tokenizer.detokenizer import Decoder, IncrementalDetokenizer
 logger = logging.getLogger("rsgl.server")
 
 STATS_LOG_INTERVAL_S = 10.0
+FLUSH_TIMEOUT_S = 30.0
 # How often deadlines and stalled streams are looked at.
 TIMER_INTERVAL_S = 0.25
 # Updates a streaming request may have waiting for its client before the stall clock starts.
@@ -224,11 +225,20 @@ class Frontend:
                     state.stream_task.cancel()
 
     async def flush_cache(self) -> bool:
+        """Empties the scheduler's prefix cache; False while requests run. Raises
+        EngineUnavailable if the scheduler does not answer within FLUSH_TIMEOUT_S."""
         token = next(self._tokens)
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._flushes[token] = done
         self._send(ipc.FlushCache(token))
-        return await asyncio.wait_for(done, timeout=30)
+        try:
+            return await asyncio.wait_for(done, timeout=FLUSH_TIMEOUT_S)
+        except TimeoutError:
+            raise EngineUnavailable(
+                f"the scheduler did not answer the cache flush within {FLUSH_TIMEOUT_S:.0f} s"
+            ) from None
+        finally:
+            self._flushes.pop(token, None)
 
     def abort_all(self, message: str) -> None:
         """Ends every pending request (shutdown or a dead scheduler): clients get a 503."""
