@@ -287,7 +287,8 @@ def test_a_bfloat16_kv_cache_serves_the_same_batch(baseline: list[list[int]]) ->
 
 
 def test_kv_cache_dtype_is_validated_and_sizes_the_pool() -> None:
-    from rsgl.engine import EngineArgs, _pool_tokens
+    from rsgl.args import EngineArgs
+    from rsgl.engine import _pool_tokens
     from rsgl.models.loader import load_model
 
     with pytest.raises(ValueError, match="kv_cache_dtype 'fp8'"):

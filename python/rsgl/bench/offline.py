@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rsgl.model_executor.kv_cache import KV_CACHE_DTYPES
+from rsgl.args import KV_CACHE_DTYPES
 
 
 def make_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:

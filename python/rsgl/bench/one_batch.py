@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rsgl.model_executor.kv_cache import KV_CACHE_DTYPES
+from rsgl.args import KV_CACHE_DTYPES
 from rsgl.model_executor.model_runner import ModelRunner
 from rsgl.models.llama import LlamaForCausalLM
 from rsgl.sampling_params import SamplingParams

@@ -5,31 +5,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from rsgl.args import KV_CACHE_DTYPES, check_kv_cache_dtype
 from rsgl.models.config import ModelConfig
-
-# --kv-cache-dtype values: "auto" stores K/V in the model's dtype.
-KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
-    "auto": None,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
-
-
-def check_kv_cache_dtype(name: str) -> None:
-    """ValueError naming the field unless `name` is a kv_cache_dtype value."""
-    if name not in KV_CACHE_DTYPES:
-        raise ValueError(
-            f"invalid kv_cache_dtype {name!r}: expected one of {', '.join(KV_CACHE_DTYPES)}"
-        )
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """The dtype K/V are stored in for `kv_cache_dtype=name`."""
     check_kv_cache_dtype(name)
-    return KV_CACHE_DTYPES[name] or model_dtype
+    stored = KV_CACHE_DTYPES[name]
+    return model_dtype if stored is None else getattr(torch, stored)
 
 
 class KVCache:

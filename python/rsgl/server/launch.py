@@ -26,13 +26,11 @@ import zmq
 import zmq.asyncio
 from fastapi import FastAPI
 
-from rsgl.engine import EngineArgs
-from rsgl.model_executor.kv_cache import KV_CACHE_DTYPES
+from rsgl.args import KV_CACHE_DTYPES, EngineArgs
 from rsgl.server import ipc
 from rsgl.server.app import DEFAULT_MAX_REQUEST_BYTES, ServerState, StateHolder, create_app
 from rsgl.server.frontend import Frontend
 from rsgl.server.metrics import ServerMetrics
-from rsgl.server.scheduler_process import run_scheduler_process
 
 logger = logging.getLogger("rsgl.server")
 
@@ -174,7 +172,7 @@ def make_app(ns: argparse.Namespace, server: _Server | None = None) -> FastAPI:
         events = ctx.socket(zmq.PULL)
         events.bind(event_addr)
         proc = mp.get_context("spawn").Process(
-            target=run_scheduler_process,
+            target=_scheduler_main,
             args=(args, command_addr, event_addr),
             name="rsgl-scheduler",
             daemon=True,
@@ -236,6 +234,14 @@ def make_app(ns: argparse.Namespace, server: _Server | None = None) -> FastAPI:
                 os.rmdir(ipc_dir)
 
     return create_app(holder, lifespan, max_request_bytes=ns.max_request_bytes)
+
+
+def _scheduler_main(args: EngineArgs, command_addr: str, event_addr: str) -> None:
+    """The scheduler process's entry point. Its module (torch, the model) is imported here,
+    in the child: the frontend process never loads torch."""
+    from rsgl.server.scheduler_process import run_scheduler_process
+
+    run_scheduler_process(args, command_addr, event_addr)
 
 
 async def _wait_ready(events: zmq.asyncio.Socket, proc: Any) -> dict[str, Any]:

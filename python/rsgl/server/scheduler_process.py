@@ -13,7 +13,8 @@ from typing import Any
 
 import zmq
 
-from rsgl.engine import EngineArgs, build_stack
+from rsgl.args import EngineArgs
+from rsgl.engine import build_stack
 from rsgl.sampling_params import SamplingParams
 from rsgl.scheduler.loop import SchedulerLoop
 from rsgl.server import ipc
