@@ -457,8 +457,12 @@ class SchedulerLoop:
         return 0 if info is None else int(info.get("cached_tokens", 0))
 
     def _abort_all(self, message: str, status_code: int, err_type: str) -> None:
-        reason = {"type": "abort", "message": message, "status_code": status_code}
-        reason["err_type"] = err_type
+        reason: dict[str, Any] = {
+            "type": "abort",
+            "message": message,
+            "status_code": status_code,
+            "err_type": err_type,
+        }
         for req in list(self._requests.values()):
             self._complete(req, dict(reason), cached_tokens=0)
 
