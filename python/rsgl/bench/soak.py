@@ -54,6 +54,7 @@ NORMAL_FINISHES = frozenset({"stop", "length"})
 # server went idle describes the idle server, RSS included.
 STATS_SETTLE_S = 1.5
 IDLE_POLL_S = 0.5
+KEEPALIVE_S = 2.0
 # A request that exceeds any of these failed; it must not take the whole run down. The last
 # three come from well-formed JSON of an unexpected shape.
 _REQUEST_ERRORS = (
@@ -538,7 +539,10 @@ async def soak(config: SoakConfig) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else None
     timeout = aiohttp.ClientTimeout(total=config.request_timeout_s, sock_connect=30)
     # One connection per in-flight request; aiohttp's default pool (100) would cap concurrency.
-    connector = aiohttp.TCPConnector(limit=0)
+    # Idle connections are dropped before uvicorn's keep-alive timeout (5 s) closes them:
+    # with aiohttp's default (15 s), a request sent on a connection the server is closing at
+    # that moment fails with "Server disconnected", a client-side race, not a server fault.
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
     async with aiohttp.ClientSession(
         connector=connector, timeout=timeout, headers=headers
     ) as session:
