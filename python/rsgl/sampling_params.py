@@ -20,6 +20,10 @@ FLOAT_FIELDS = (
 # The sampler computes in float32: larger magnitudes cannot even be stored.
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
+# Integers go into int64 tensors and the core's int64 fields; a seed may also be unsigned
+# (the sampler hashes its low 63 bits).
+INT64_MAX = (1 << 63) - 1
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 # Below this temperature a request is decoded greedily (dividing by ~0 would overflow).
 GREEDY_TEMPERATURE = 1e-6
@@ -88,8 +92,8 @@ class SamplingParams:
             _bad("temperature", self.temperature, "must be >= 0")
         if not 0 < self.top_p <= 1:
             _bad("top_p", self.top_p, "must be in (0, 1]")
-        if self.top_k == 0 or self.top_k < -1:
-            _bad("top_k", self.top_k, "must be -1 (disabled) or >= 1")
+        if self.top_k == 0 or not -1 <= self.top_k <= INT64_MAX:
+            _bad("top_k", self.top_k, "must be -1 (disabled) or in [1, 2**63)")
         if not 0 <= self.min_p <= 1:
             _bad("min_p", self.min_p, "must be in [0, 1]")
         if self.repetition_penalty < FLOAT32_TINY:
@@ -99,16 +103,16 @@ class SamplingParams:
             _bad("frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
         if not -2 <= self.presence_penalty <= 2:
             _bad("presence_penalty", self.presence_penalty, "must be in [-2, 2]")
-        if self.max_new_tokens < 0:
-            _bad("max_new_tokens", self.max_new_tokens, "must be >= 0")
+        if not 0 <= self.max_new_tokens <= INT64_MAX:
+            _bad("max_new_tokens", self.max_new_tokens, "must be in [0, 2**63)")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             _bad("min_new_tokens", self.min_new_tokens, "must be in [0, max_new_tokens]")
         if any(t < 0 for t in self.stop_token_ids):
             _bad("stop_token_ids", self.stop_token_ids, "must be non-negative token ids")
-        if self.top_logprobs_num < 0:
-            _bad("top_logprobs_num", self.top_logprobs_num, "must be >= 0")
+        if not 0 <= self.top_logprobs_num <= INT64_MAX:
+            _bad("top_logprobs_num", self.top_logprobs_num, "must be in [0, 2**63)")
         if self.seed is not None and (
-            not isinstance(self.seed, int) or not -(1 << 63) <= self.seed < (1 << 64)
+            not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX
         ):
             _bad("seed", self.seed, "must be an integer that fits 64 bits, or None")
         if any(t < 0 for t in self.logit_bias) or any(

@@ -296,7 +296,8 @@ def test_a_failing_step_aborts_only_its_requests(server: str) -> None:
 
 
 def test_a_client_that_stops_reading_is_aborted_and_its_kv_released(server: str) -> None:
-    aborts_before = stats(server)["aborts"]
+    before = stats(server)
+    aborts_before = before["aborts"]
     host, port = server.removeprefix("http://").split(":")
     body = json.dumps(
         dict(
@@ -327,7 +328,9 @@ def test_a_client_that_stops_reading_is_aborted_and_its_kv_released(server: str)
             time.sleep(0.5)
         else:
             pytest.fail(f"the stalled stream was never aborted: {stats(server)}")
-        assert stats(server)["generated_tokens"] > 0
+        # Cut off well before its 4 x 2000 tokens.
+        generated = stats(server)["generated_tokens"] - before["generated_tokens"]
+        assert 0 < generated < 4000, generated
         idle = wait_idle(server)  # while the client is still connected
         assert idle["held"] == 0
     assert_serving(server)
@@ -366,7 +369,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tmp_path: Path) -> None:
         assert (refused, health) == (503, 503)
         events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
         assert events[-1]["choices"][0]["finish_reason"] == "length"
-        assert lines[-1] == "data: [DONE]" or "data: [DONE]" in lines
+        assert "data: [DONE]" in lines
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:

@@ -98,9 +98,6 @@ pub struct Request {
     /// Leading KV positions computed by committed steps (a cached prefix counts). Only these
     /// may enter the prefix tree: a step in flight may still fail.
     pub computed_len: usize,
-    /// Times the request was retracted: a step planned before a retraction computed KV the
-    /// request no longer has.
-    pub retractions: u32,
     /// Whether releasing the request may insert its KV into the prefix tree. Cleared when a
     /// step that included it failed: that step may have written part of its KV, or none.
     pub cacheable: bool,
@@ -126,7 +123,6 @@ impl Request {
             inflight_steps: 0,
             cached_tokens: 0,
             computed_len: 0,
-            retractions: 0,
             cacheable: true,
         }
     }

@@ -267,8 +267,6 @@ struct Entry {
     sample: bool,
     /// The request's KV length once this step has run.
     kv_end: usize,
-    /// The request's retraction count when planned (see `Request::retractions`).
-    retractions: u32,
 }
 
 #[derive(Debug)]
@@ -928,7 +926,6 @@ impl Scheduler {
             idx,
             sample: whole,
             kv_end: req.kv_len(),
-            retractions: req.retractions,
         });
     }
 
@@ -976,7 +973,6 @@ impl Scheduler {
             idx,
             sample: true,
             kv_end: req.kv_len(),
-            retractions: req.retractions,
         });
     }
 
@@ -1048,7 +1044,6 @@ impl Scheduler {
         self.release_memory(idx, false);
         let req = self.req_mut(idx);
         req.state = ReqState::Retracted;
-        req.retractions += 1;
         plan.retracted.push(req.rid as i64);
         self.waiting.insert(0, idx);
     }
@@ -1126,9 +1121,9 @@ impl Scheduler {
                 .as_mut()
                 .expect("in-flight requests stay live");
             req.inflight_steps -= 1;
-            if e.retractions == req.retractions {
-                req.computed_len = req.computed_len.max(e.kv_end);
-            }
+            // A retracted request's stale value is harmless: it is readmitted only once no
+            // step of it is in flight, and readmission restarts `computed_len`.
+            req.computed_len = req.computed_len.max(e.kv_end);
             if !e.sample {
                 continue;
             }

@@ -16,8 +16,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rsgl.sampling_params import FLOAT32_MAX, SamplingParams
-from rsgl.validation import CHAT_ROLES, INT64_MAX, MAX_LOGIT_BIAS, SEED_MAX, SEED_MIN
+from rsgl.sampling_params import FLOAT32_MAX, INT64_MAX, SEED_MAX, SEED_MIN, SamplingParams
+from rsgl.validation import CHAT_ROLES, MAX_LOGIT_BIAS
 
 # JSON Schema bounds of each sampling field, as rsgl.validation enforces them.
 FLOAT32 = {"minimum": -FLOAT32_MAX, "maximum": FLOAT32_MAX}
@@ -37,6 +37,7 @@ BOUNDS: dict[str, dict[str, Any]] = {
     "min_new_tokens": {"minimum": 0, "maximum": INT64_MAX},
     "stop_token_ids": TOKEN_IDS,
     "token_ids_logprob": TOKEN_IDS,
+    "input_ids": {**TOKEN_IDS, "minItems": 1},
     "top_logprobs_num": {"minimum": 0, "description": "at most the server's --max-logprobs"},
     "logit_bias": {
         "propertyNames": {"pattern": "^[0-9]{1,10}$"},
@@ -195,7 +196,7 @@ class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     text: str | None = None
-    input_ids: list[int] | None = bounded(None, "stop_token_ids")
+    input_ids: list[int] | None = bounded(None, "input_ids")
     sampling_params: dict[str, Any] | None = Field(
         None, json_schema_extra={"anyOf": [native_sampling_schema(), {"type": "null"}]}
     )
