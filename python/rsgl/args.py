@@ -21,6 +21,8 @@ KV_CACHE_DTYPES: dict[str, str | None] = {
     "bf16": "bfloat16",
 }
 
+LOAD_FORMATS = ("auto", "null")
+
 
 def check_kv_cache_dtype(name: str) -> None:
     """ValueError naming the field unless `name` is a kv_cache_dtype value."""
@@ -52,6 +54,10 @@ class EngineArgs:
     disable_overlap_schedule: bool = False
     enable_mixed_chunk: bool = False
     attention_backend: str = "torch_native"
+    # "null": no weights and no math, seeded-random tokens (rsgl.model_executor.null_runner),
+    # after `null_step_ms` per step; measures everything but the forward.
+    load_format: str = "auto"
+    null_step_ms: float = 0.0
     seed: int = 0
     # Request limits (see rsgl.validation.RequestLimits).
     allow_auto_truncate: bool = False
@@ -62,6 +68,12 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"invalid load_format {self.load_format!r}: expected one of {', '.join(LOAD_FORMATS)}"
+            )
+        if not 0 <= self.null_step_ms < float("inf"):
+            raise ValueError(f"null_step_ms must be finite and >= 0, got {self.null_step_ms}")
         if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:
             raise ValueError(f"mem_fraction must be in (0, 1), got {self.mem_fraction}")
         limits = ("max_n", "max_stop_strings", "max_stop_string_len")

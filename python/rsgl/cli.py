@@ -12,6 +12,7 @@ BENCHMARKS: dict[str, str] = {
     "offline": "rsgl.bench.offline",
     "serving": "rsgl.bench.serving",
     "soak": "rsgl.bench.soak",
+    "overhead": "rsgl.bench.overhead",
 }
 
 

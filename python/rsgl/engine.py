@@ -16,6 +16,7 @@ import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Self, cast
 
 import torch
@@ -25,6 +26,8 @@ from rsgl.args import EngineArgs
 from rsgl.errors import InvalidRequest
 from rsgl.model_executor.kv_cache import KVCache, resolve_kv_cache_dtype
 from rsgl.model_executor.model_runner import ModelRunner
+from rsgl.model_executor.null_runner import NullRunner
+from rsgl.models.config import ModelConfig
 from rsgl.sampling_params import SamplingParams
 from rsgl.scheduler.loop import SchedulerLoop
 from rsgl.validation import (
@@ -50,9 +53,12 @@ class ModelStack:
 
     tokenizer: Any
     core: Scheduler
-    runner: ModelRunner
+    runner: ModelRunner | NullRunner
+    config: ModelConfig
+    model_dir: Path
     context_length: int
     max_total_tokens: int
+    kv_cache_dtype: str
 
 
 def build_stack(args: EngineArgs) -> ModelStack:
@@ -62,14 +68,63 @@ def build_stack(args: EngineArgs) -> ModelStack:
     from rsgl.models.loader import load_model
 
     torch.manual_seed(args.seed)
+    if args.load_format == "null":
+        return _null_stack(args)
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     loaded = load_model(
         args.model_path, device=args.device, dtype=dtype, max_positions=args.context_length
     )
     context_length = args.context_length or loaded.config.max_position_embeddings
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or loaded.model_dir)
-    max_total_tokens = args.max_total_tokens or _pool_tokens(args, loaded)
-    core = Scheduler(
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, loaded.dtype)
+    per_token = KVCache.bytes_per_slot(loaded.config, kv_dtype)
+    max_total_tokens = args.max_total_tokens or _pool_tokens(args, per_token)
+    core = _core(args, max_total_tokens, context_length, loaded.config)
+    runner = ModelRunner(
+        loaded,
+        kv_buffer_size=core.kv_buffer_size,
+        max_running_requests=args.max_running_requests,
+        context_len=context_length,
+        attention_backend=args.attention_backend,
+        kv_cache_dtype=args.kv_cache_dtype,
+        seed=args.seed,
+    )
+    kv_name = str(runner.kv_cache.dtype).removeprefix("torch.")
+    return ModelStack(
+        tokenizer,
+        core,
+        runner,
+        loaded.config,
+        loaded.model_dir,
+        context_length,
+        max_total_tokens,
+        kv_name,
+    )
+
+
+def _null_stack(args: EngineArgs) -> ModelStack:
+    """The null executor over the model's config and tokenizer: no weights, no KV memory."""
+    from transformers import AutoTokenizer
+
+    from rsgl.models.loader import resolve_model_dir
+
+    model_dir = resolve_model_dir(args.model_path)
+    config = ModelConfig.from_model_dir(model_dir)
+    context_length = args.context_length or config.max_position_embeddings
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or model_dir)
+    per_token = KVCache.bytes_per_slot(config, torch.float32)
+    max_total_tokens = args.max_total_tokens or _pool_tokens(args, per_token)
+    core = _core(args, max_total_tokens, context_length, config)
+    runner = NullRunner(config, step_ms=args.null_step_ms, seed=args.seed)
+    return ModelStack(
+        tokenizer, core, runner, config, model_dir, context_length, max_total_tokens, "none"
+    )
+
+
+def _core(
+    args: EngineArgs, max_total_tokens: int, context_length: int, config: ModelConfig
+) -> Scheduler:
+    return Scheduler(
         max_total_tokens,
         page_size=args.page_size,
         max_running_requests=args.max_running_requests,
@@ -80,25 +135,14 @@ def build_stack(args: EngineArgs) -> ModelStack:
         schedule_conservativeness=args.schedule_conservativeness,
         disable_radix_cache=args.disable_radix_cache,
         enable_mixed_chunk=args.enable_mixed_chunk,
-        eos_token_ids=list(loaded.config.eos_token_ids),
+        eos_token_ids=list(config.eos_token_ids),
         seed=args.seed,
     )
-    runner = ModelRunner(
-        loaded,
-        kv_buffer_size=core.kv_buffer_size,
-        max_running_requests=args.max_running_requests,
-        context_len=context_length,
-        attention_backend=args.attention_backend,
-        kv_cache_dtype=args.kv_cache_dtype,
-        seed=args.seed,
-    )
-    return ModelStack(tokenizer, core, runner, context_length, max_total_tokens)
 
 
-def _pool_tokens(args: EngineArgs, loaded: Any) -> int:
-    """KV pool size: `mem_fraction` of the device's memory (default share, capped)."""
-    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, loaded.dtype)
-    per_token = KVCache.bytes_per_slot(loaded.config, kv_dtype)
+def _pool_tokens(args: EngineArgs, per_token: int) -> int:
+    """KV pool size: `mem_fraction` of the device's memory (default share, capped), at
+    `per_token` bytes per KV slot."""
     if args.device == "cpu":
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     else:
@@ -175,14 +219,14 @@ class Engine:
 
     def __init__(self, model_path: str | None = None, **options: Any) -> None:
         self.args = EngineArgs.from_options(model_path, options)
-        stack = build_stack(self.args)
+        self.stack = stack = build_stack(self.args)
         self.tokenizer = stack.tokenizer
         self.core = stack.core
         self.runner = stack.runner
         self.context_length = stack.context_length
         self.max_total_tokens = stack.max_total_tokens
         self.limits = self.args.request_limits(
-            self.runner.config.vocab_size, self.context_length, self.core.max_prompt_len
+            stack.config.vocab_size, self.context_length, self.core.max_prompt_len
         )
         self._loop = SchedulerLoop(
             self.core, self.runner, self.tokenizer, overlap=not self.args.disable_overlap_schedule
@@ -357,8 +401,8 @@ class Engine:
             context_length=self.context_length,
             max_total_tokens=self.max_total_tokens,
             kv_buffer_size=self.core.kv_buffer_size,
-            kv_cache_storage_dtype=str(self.runner.kv_cache.dtype).removeprefix("torch."),
-            model_dir=str(self.runner.loaded.model_dir),
+            kv_cache_storage_dtype=self.stack.kv_cache_dtype,
+            model_dir=str(self.stack.model_dir),
             stats=self.core.stats(),
             steps=self._loop.steps,
         )

@@ -17,12 +17,12 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from rsgl._core import Plan, Scheduler
-from rsgl.model_executor.model_runner import ModelRunner, StepOutput
+from rsgl.model_executor.model_runner import StepOutput
 from rsgl.sampling_params import SamplingParams
 from rsgl.scheduler.fault_injection import FaultInjector, InjectedFault
 from rsgl.tokenizer.detokenizer import Decoder, IncrementalDetokenizer
@@ -35,6 +35,20 @@ MAX_CONSECUTIVE_STEP_FAILURES = 8
 
 # An update for one request: (text delta, new token ids, finished meta_info or None).
 Deliver = Callable[[str, list[int], dict[str, Any] | None], None]
+
+
+class Runner(Protocol):
+    """What the loop asks of a model runner (`ModelRunner`, or `NullRunner` for no math)."""
+
+    def admit(
+        self,
+        req_slot: int,
+        params: SamplingParams,
+        prompt_ids: Sequence[int],
+        output_ids: Sequence[int] = (),
+    ) -> None: ...
+
+    def step(self, plan: Plan) -> StepOutput: ...
 
 
 @dataclass(slots=True)
@@ -83,7 +97,7 @@ class SchedulerLoop:
     def __init__(
         self,
         core: Scheduler,
-        runner: ModelRunner,
+        runner: Runner,
         tokenizer: Decoder | None,
         *,
         overlap: bool = True,

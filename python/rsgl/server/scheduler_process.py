@@ -73,9 +73,9 @@ def run_scheduler_process(args: EngineArgs, command_addr: str, event_addr: str) 
         "max_total_tokens": stack.max_total_tokens,
         "kv_buffer_size": stack.core.kv_buffer_size,
         "max_prompt_len": stack.core.max_prompt_len,
-        "vocab_size": stack.runner.config.vocab_size,
-        "model_dir": str(stack.runner.loaded.model_dir),
-        "eos_token_ids": list(stack.runner.config.eos_token_ids),
+        "vocab_size": stack.config.vocab_size,
+        "model_dir": str(stack.model_dir),
+        "eos_token_ids": list(stack.config.eos_token_ids),
         "scheduler_pid": os.getpid(),
     }
     outbox.send(ipc.Ready(info))
