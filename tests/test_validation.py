@@ -12,8 +12,10 @@ from rsgl.validation import (
     RequestLimits,
     check_messages,
     check_prompt,
+    expand_requests,
     make_sampling_params,
     resolve_max_new_tokens,
+    tokenize_prompt,
 )
 
 LIMITS = RequestLimits(vocab_size=100, context_length=64, max_prompt_len=60, max_n=4)
@@ -149,3 +151,64 @@ def test_chat_messages_need_known_roles_and_text_content() -> None:
 def test_repeated_ids_count_once() -> None:
     params, _ = make_sampling_params({"stop_token_ids": [5, 5, 6] * 40}, LIMITS, 10)
     assert params.stop_token_ids == [5, 6]
+
+
+# ------------------------------------------------------------------ expansion and prompts
+
+
+def _params(*ns: int) -> list[tuple[Any, int]]:
+    return [(make_sampling_params({}, LIMITS, 1)[0], n) for n in ns]
+
+
+def test_one_rid_names_a_single_job_or_numbers_each_of_many():
+    (job,) = expand_requests([[1]], _params(1), "abc")
+    assert (job.rid, job.group, job.index, job.prompt_index) == ("abc", "abc", 0, 0)
+    jobs = expand_requests([[1], [2]], _params(2, 2), "r")
+    assert [j.rid for j in jobs] == ["r-0", "r-1", "r-2", "r-3"]
+    assert [j.prompt_index for j in jobs] == [0, 0, 1, 1]
+    assert {j.group for j in jobs} == {"r"}
+    assert [j.prompt_ids for j in jobs] == [[1], [1], [2], [2]]
+
+
+def test_a_rid_list_names_each_prompt():
+    jobs = expand_requests([[1], [2]], _params(1, 2), ["a", "b"])
+    assert [(j.rid, j.group) for j in jobs] == [("a", "a"), ("b-0", "b"), ("b-1", "b")]
+
+
+def test_no_rid_gets_a_fresh_one_per_call():
+    a = expand_requests([[1]], _params(1))[0].rid
+    b = expand_requests([[1]], _params(1))[0].rid
+    assert a != b and len(a) == 32
+
+
+@pytest.mark.parametrize(
+    ("rid", "prompts"),
+    [("", 1), ("x" * 257, 1), ("tab\there", 1), (["a"], 2), (["a", 3], 2), (["a", "a"], 2)],
+)
+def test_malformed_or_clashing_rids_are_refused(rid: Any, prompts: int):
+    assert param_of(expand_requests, [[1]] * prompts, _params(*[1] * prompts), rid) == "rid"
+
+
+class WordTokenizer:
+    """A tokenizer of the right shape: one id per word (ids are word lengths)."""
+
+    def encode(self, text: str) -> list[int]:
+        return [len(w) for w in text.split()]
+
+    def apply_chat_template(self, messages: Any, **_: Any) -> list[int]:
+        return [len(m["content"]) for m in messages]
+
+
+def test_tokenize_prompt_takes_exactly_one_form_and_checks_it():
+    tok = WordTokenizer()
+    assert tokenize_prompt(tok, LIMITS, text="a bb ccc") == [1, 2, 3]
+    assert tokenize_prompt(tok, LIMITS, input_ids=[5, 6]) == [5, 6]
+    messages = [{"role": "user", "content": "hello"}]
+    assert tokenize_prompt(tok, LIMITS, messages=messages) == [5]
+    assert param_of(tokenize_prompt, tok, LIMITS) == "text"
+    assert param_of(tokenize_prompt, tok, LIMITS, text="a", input_ids=[1]) == "text"
+    assert param_of(tokenize_prompt, tok, LIMITS, text="", param="prompt") == "prompt"
+    assert param_of(tokenize_prompt, tok, LIMITS, text=3) == "text"
+    assert param_of(tokenize_prompt, tok, LIMITS, input_ids=[100]) == "input_ids"
+    assert param_of(tokenize_prompt, tok, LIMITS, messages=[{"role": "x"}]) == "messages.0"
+    assert param_of(tokenize_prompt, tok, LIMITS, text="\ud800") == "text"

@@ -11,9 +11,30 @@ FUTURE_TOKEN: int
 I64: TypeAlias = npt.NDArray[np.int64]
 U32: TypeAlias = npt.NDArray[np.uint32]
 
+class FinishReason:
+    """Why a request finished: "stop" (by a token or a string), "length" or "abort"."""
+
+    kind: Literal["stop", "length", "abort"]
+    matched_token: int | None
+    matched_str: str | None
+    length: int | None
+    message: str | None
+    status_code: int | None
+    @staticmethod
+    def stop_token(token: int) -> FinishReason: ...
+    @staticmethod
+    def stop_str(matched: str) -> FinishReason: ...
+    @staticmethod
+    def max_length(length: int) -> FinishReason: ...
+    @staticmethod
+    def abort(message: str, status_code: int | None = None) -> FinishReason: ...
+    def to_dict(self) -> dict[str, Any]: ...
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> FinishReason: ...
+
 class Finished:
     rid: int
-    finish_reason: dict[str, Any]
+    finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int

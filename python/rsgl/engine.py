@@ -11,13 +11,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import queue
 import sys
-import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self, cast
+from typing import Any, Self
 
 import torch
 
@@ -28,14 +26,12 @@ from rsgl.model_executor.kv_cache import KVCache, resolve_kv_cache_dtype
 from rsgl.model_executor.model_runner import ModelRunner
 from rsgl.model_executor.null_runner import NullRunner
 from rsgl.models.config import ModelConfig
+from rsgl.outputs import merge
 from rsgl.sampling_params import SamplingParams
 from rsgl.scheduler.loop import SchedulerLoop
-from rsgl.validation import (
-    check_messages,
-    check_prompt,
-    check_text,
-    make_sampling_params,
-)
+from rsgl.tokenizer.loader import load_tokenizer
+from rsgl.tokenizer.output_processor import OutputProcessor, OutputQueue, RequestRecord
+from rsgl.validation import expand_requests, make_sampling_params, tokenize_prompt
 
 Prompt = str | list[int]
 Messages = list[dict[str, Any]]
@@ -63,8 +59,6 @@ class ModelStack:
 
 def build_stack(args: EngineArgs) -> ModelStack:
     """Loads the model and tokenizer and sizes the KV pool and the core from `args`."""
-    from transformers import AutoTokenizer
-
     from rsgl.models.loader import load_model
 
     torch.manual_seed(args.seed)
@@ -75,10 +69,8 @@ def build_stack(args: EngineArgs) -> ModelStack:
         args.model_path, device=args.device, dtype=dtype, max_positions=args.context_length
     )
     context_length = args.context_length or loaded.config.max_position_embeddings
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or loaded.model_dir)
-    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, loaded.dtype)
-    per_token = KVCache.bytes_per_slot(loaded.config, kv_dtype)
-    max_total_tokens = args.max_total_tokens or _pool_tokens(args, per_token)
+    tokenizer = load_tokenizer(args.tokenizer_path or loaded.model_dir)
+    max_total_tokens = args.max_total_tokens or _pool_tokens(args, loaded.config, loaded.dtype)
     core = _core(args, max_total_tokens, context_length, loaded.config)
     runner = ModelRunner(
         loaded,
@@ -104,18 +96,20 @@ def build_stack(args: EngineArgs) -> ModelStack:
 
 def _null_stack(args: EngineArgs) -> ModelStack:
     """The null executor over the model's config and tokenizer: no weights, no KV memory."""
-    from transformers import AutoTokenizer
-
     from rsgl.models.loader import resolve_model_dir
 
     model_dir = resolve_model_dir(args.model_path)
     config = ModelConfig.from_model_dir(model_dir)
     context_length = args.context_length or config.max_position_embeddings
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or model_dir)
-    per_token = KVCache.bytes_per_slot(config, torch.float32)
-    max_total_tokens = args.max_total_tokens or _pool_tokens(args, per_token)
+    tokenizer = load_tokenizer(args.tokenizer_path or model_dir)
+    max_total_tokens = args.max_total_tokens or _pool_tokens(args, config, torch.float32)
     core = _core(args, max_total_tokens, context_length, config)
-    runner = NullRunner(config, step_ms=args.null_step_ms, seed=args.seed)
+    runner = NullRunner(
+        config,
+        max_running_requests=args.max_running_requests,
+        step_ms=args.null_step_ms,
+        seed=args.seed,
+    )
     return ModelStack(
         tokenizer, core, runner, config, model_dir, context_length, max_total_tokens, "none"
     )
@@ -140,9 +134,10 @@ def _core(
     )
 
 
-def _pool_tokens(args: EngineArgs, per_token: int) -> int:
-    """KV pool size: `mem_fraction` of the device's memory (default share, capped), at
-    `per_token` bytes per KV slot."""
+def _pool_tokens(args: EngineArgs, config: ModelConfig, model_dtype: torch.dtype) -> int:
+    """KV pool size: `mem_fraction` of the device's memory (default share, capped)."""
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, model_dtype)
+    per_token = KVCache.bytes_per_slot(config, kv_dtype)
     if args.device == "cpu":
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     else:
@@ -150,61 +145,6 @@ def _pool_tokens(args: EngineArgs, per_token: int) -> int:
     tokens = int(total * (args.mem_fraction or DEFAULT_MEM_FRACTION) / per_token)
     cap = DEFAULT_MAX_TOTAL_TOKENS if args.mem_fraction is None else tokens
     return max(4 * args.page_size, min(tokens, cap))
-
-
-class _Collector:
-    """Receives one request's updates from the loop thread (sync or asyncio consumer)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        self.aio_loop = loop
-        self.sync_queue: queue.SimpleQueue[tuple[str, list[int], dict[str, Any] | None]] = (
-            queue.SimpleQueue()
-        )
-        self.aio_queue: asyncio.Queue[tuple[str, list[int], dict[str, Any] | None]] | None = (
-            asyncio.Queue() if loop is not None else None
-        )
-
-    def deliver(self, text: str, ids: list[int], meta: dict[str, Any] | None) -> None:
-        if self.aio_loop is not None and self.aio_queue is not None:
-            if self.aio_loop.is_closed():
-                return  # the caller's event loop is gone, and with it the consumer
-            try:
-                self.aio_loop.call_soon_threadsafe(self.aio_queue.put_nowait, (text, ids, meta))
-            except RuntimeError:
-                pass  # closed between the check and the call
-        else:
-            self.sync_queue.put((text, ids, meta))
-
-    def chunks(self) -> Iterator[dict[str, Any]]:
-        while True:
-            text, ids, meta = self.sync_queue.get()
-            yield _chunk(text, ids, meta)
-            if meta is not None:
-                return
-
-    async def achunks(self) -> AsyncIterator[dict[str, Any]]:
-        assert self.aio_queue is not None
-        while True:
-            text, ids, meta = await self.aio_queue.get()
-            yield _chunk(text, ids, meta)
-            if meta is not None:
-                return
-
-
-def _chunk(text: str, ids: list[int], meta: dict[str, Any] | None) -> dict[str, Any]:
-    out: dict[str, Any] = {"text": text, "output_ids": ids}
-    if meta is not None:
-        out["meta_info"] = meta
-    return out
-
-
-def _merge(chunks: Iterator[dict[str, Any]]) -> dict[str, Any]:
-    text, ids, meta = [], [], None
-    for c in chunks:
-        text.append(c["text"])
-        ids.extend(c["output_ids"])
-        meta = c.get("meta_info")
-    return {"text": "".join(text), "output_ids": ids, "meta_info": meta}
 
 
 class Engine:
@@ -228,44 +168,56 @@ class Engine:
         self.limits = self.args.request_limits(
             stack.config.vocab_size, self.context_length, self.core.max_prompt_len
         )
+        # The loop emits token ids on its thread; the processor makes text of them there,
+        # overlapped with the next step's forward.
+        self.processor = OutputProcessor(
+            self.tokenizer, on_stop=lambda rid, matched: self._loop.finish(rid, matched)
+        )
         self._loop = SchedulerLoop(
-            self.core, self.runner, self.tokenizer, overlap=not self.args.disable_overlap_schedule
+            self.core,
+            self.runner,
+            self.processor.process,
+            overlap=not self.args.disable_overlap_schedule,
         )
 
     # ------------------------------------------------------------------ requests
 
     def _prompt_ids(self, prompt: Prompt | None, messages: Messages | None) -> list[int]:
         if messages is not None:
-            ids = self.tokenizer.apply_chat_template(
-                check_messages(messages),
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=False,
-            )
-            return check_prompt([int(t) for t in cast(list[int], ids)], self.limits, "messages")
+            return tokenize_prompt(self.tokenizer, self.limits, messages=messages)
         if isinstance(prompt, str):
-            return check_prompt(
-                list(self.tokenizer.encode(check_text(prompt, "prompt"))), self.limits
-            )
-        return check_prompt(prompt, self.limits, "input_ids")
+            return tokenize_prompt(self.tokenizer, self.limits, text=prompt, param="prompt")
+        return tokenize_prompt(self.tokenizer, self.limits, input_ids=prompt, param="input_ids")
 
     def _start_requests(
         self,
         prompts: list[list[int]],
         params: list[tuple[SamplingParams, int]],
-        rids: list[str] | None,
+        rid: str | Sequence[str] | None,
         aio_loop: asyncio.AbstractEventLoop | None,
-    ) -> list[_Collector]:
+    ) -> list[OutputQueue]:
         """Queues validated requests in one loop command, so they are prefilled together."""
-        jobs = []
-        for i, (ids, (p, n)) in enumerate(zip(prompts, params)):
-            base = rids[i] if rids else uuid.uuid4().hex
-            for k in range(n):
-                jobs.append((base if n == 1 else f"{base}-{k}", ids, p))
+        jobs = expand_requests(prompts, params, rid)
+        records = [
+            RequestRecord(j.rid, j.prompt_ids, j.params, OutputQueue(aio_loop), j.group)
+            for j in jobs
+        ]
+
+        def start() -> None:
+            added = []
+            try:
+                for record in records:
+                    self.processor.add(record)
+                    added.append(record.rid)
+                self._loop.add_many([(j.rid, j.prompt_ids, j.params) for j in jobs])
+            except BaseException:
+                for name in added:
+                    self.processor.records.pop(name, None)
+                raise
+
         self._loop.start()
-        collectors = [_Collector(aio_loop) for _ in jobs]
-        self._loop.submit_many([(*job, c.deliver) for job, c in zip(jobs, collectors)])
-        return collectors
+        self._loop.call(start)
+        return [r.queue for r in records]
 
     def _normalize(
         self,
@@ -320,18 +272,17 @@ class Engine:
         `n` outputs per prompt). With `stream=True` (one prompt) returns an iterator of
         chunks whose `text` fields concatenate to the full text."""
         ids, params, batch = self._normalize(prompt, sampling_params, input_ids, messages)
-        rids = [rid] if isinstance(rid, str) else rid
-        collectors = self._start_requests(ids, params, rids, None)
+        queues = self._start_requests(ids, params, rid, None)
         if stream:
-            if len(collectors) != 1:
+            if len(queues) != 1:
                 raise ValueError("stream=True takes a single prompt with n=1")
-            return collectors[0].chunks()
+            return (o.to_dict() for o in queues[0])
         if not batch:
-            return _merge(collectors[0].chunks())
+            return merge(queues[0]).to_dict()
         from tqdm import tqdm
 
-        show = use_tqdm and len(collectors) > 1 and sys.stderr.isatty()
-        return [_merge(c.chunks()) for c in tqdm(collectors, disable=not show, desc="generate")]
+        show = use_tqdm and len(queues) > 1 and sys.stderr.isatty()
+        return [merge(q).to_dict() for q in tqdm(queues, disable=not show, desc="generate")]
 
     async def async_generate(
         self,
@@ -341,28 +292,21 @@ class Engine:
         input_ids: list[int] | list[list[int]] | None = None,
         messages: Messages | list[Messages] | None = None,
         stream: bool = False,
-        rid: str | None = None,
+        rid: str | list[str] | None = None,
     ) -> Any:
         """Async `generate`: awaits the result, or (stream=True) returns an async iterator."""
         ids, params, batch = self._normalize(prompt, sampling_params, input_ids, messages)
         loop = asyncio.get_running_loop()
-        collectors = await loop.run_in_executor(
-            None, self._start_requests, ids, params, [rid] if rid else None, loop
-        )
+        queues = await loop.run_in_executor(None, self._start_requests, ids, params, rid, loop)
         if stream:
-            if len(collectors) != 1:
+            if len(queues) != 1:
                 raise ValueError("stream=True takes a single prompt with n=1")
-            return collectors[0].achunks()
+            return _achunks(queues[0])
 
-        async def merged(c: _Collector) -> dict[str, Any]:
-            text, out_ids, meta = [], [], None
-            async for chunk in c.achunks():
-                text.append(chunk["text"])
-                out_ids.extend(chunk["output_ids"])
-                meta = chunk.get("meta_info")
-            return {"text": "".join(text), "output_ids": out_ids, "meta_info": meta}
+        async def merged(q: OutputQueue) -> dict[str, Any]:
+            return merge([o async for o in q]).to_dict()
 
-        results = await asyncio.gather(*(merged(c) for c in collectors))
+        results = await asyncio.gather(*(merged(q) for q in queues))
         return list(results) if batch else results[0]
 
     def chat(
@@ -417,3 +361,8 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+async def _achunks(q: OutputQueue) -> AsyncIterator[dict[str, Any]]:
+    async for output in q:
+        yield output.to_dict()

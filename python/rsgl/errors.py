@@ -11,3 +11,8 @@ class InvalidRequest(ValueError):
         super().__init__(message)
         self.message = message
         self.param = param
+
+
+class SamplingParamError(InvalidRequest):
+    """A sampling parameter out of its range; `param` is its SamplingParams name (callers
+    translate it to their API's spelling)."""

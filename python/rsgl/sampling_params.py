@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from rsgl.errors import InvalidRequest
+from rsgl.errors import SamplingParamError
 
 # The float-valued fields, in the order they are checked; each must be finite.
 FLOAT_FIELDS = (
@@ -56,6 +56,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # Keep the matched stop string (or the stop token's text) at the end of the text.
+    no_stop_trim: bool = False
     seed: int | None = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
@@ -80,7 +82,7 @@ class SamplingParams:
         )
 
     def validate(self) -> None:
-        """Raise InvalidRequest (a ValueError) naming the first out-of-range field."""
+        """Raise SamplingParamError (a ValueError) naming the first out-of-range field."""
         for name in FLOAT_FIELDS:
             value = getattr(self, name)
             # The magnitude first: math.isfinite(10**400) raises OverflowError.
@@ -124,4 +126,4 @@ class SamplingParams:
 
 
 def _bad(name: str, value: object, rule: str) -> None:
-    raise InvalidRequest(f"invalid sampling parameter {name}={value!r}: {rule}", name)
+    raise SamplingParamError(f"invalid sampling parameter {name}={value!r}: {rule}", name)

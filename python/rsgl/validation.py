@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -85,6 +86,44 @@ def check_prompt(ids: Any, limits: RequestLimits, param: str = "prompt") -> list
             param,
         )
     return prompt
+
+
+def tokenize_prompt(
+    tokenizer: Any,
+    limits: RequestLimits,
+    *,
+    text: Any = None,
+    input_ids: Any = None,
+    messages: Any = None,
+    param: str | None = None,
+) -> list[int]:
+    """The checked token ids of a prompt given as text, token ids or chat messages (exactly
+    one; messages go through the model's chat template). `param` names it in errors
+    (default: the form's own name)."""
+    if sum(x is not None for x in (text, input_ids, messages)) != 1:
+        raise InvalidRequest("give exactly one of text, input_ids or messages", param or "text")
+    if messages is not None:
+        name = param or "messages"
+        try:
+            ids = tokenizer.apply_chat_template(
+                check_messages(messages),
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+        except InvalidRequest:
+            raise
+        except Exception as exc:  # a template that refuses these messages
+            raise InvalidRequest(f"invalid messages: {exc}", name) from exc
+        return check_prompt([int(t) for t in ids], limits, name)
+    if text is not None:
+        name = param or "text"
+        if not isinstance(text, str):
+            raise InvalidRequest(f"{name} must be a string", name)
+        return check_prompt(
+            [int(t) for t in tokenizer.encode(check_text(text, name))], limits, name
+        )
+    return check_prompt(input_ids, limits, param or "input_ids")
 
 
 def resolve_max_new_tokens(
@@ -175,7 +214,7 @@ def _join_text_parts(parts: list[Any], where: str) -> str:
 
 # Accepted JSON types of each SamplingParams field (bool is never an int here).
 _INT_FIELDS = frozenset({"max_new_tokens", "top_k", "min_new_tokens", "top_logprobs_num"})
-_BOOL_FIELDS = frozenset({"ignore_eos", "skip_special_tokens", "return_logprob"})
+_BOOL_FIELDS = frozenset({"ignore_eos", "skip_special_tokens", "return_logprob", "no_stop_trim"})
 _PARAM_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 # SGLang's aliases in sampling_params dicts.
 _ALIASES = {"logprobs": "return_logprob", "top_logprobs": "top_logprobs_num"}
@@ -325,3 +364,65 @@ def check_logit_bias(bias: Any, limits: RequestLimits) -> dict[int, float]:
             )
         out[token] = float(value)
     return out
+
+
+# --------------------------------------------------------------------------- expansion
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One generation to run: prompt `prompt_index` of a call, one of its `n` copies."""
+
+    rid: str
+    # The caller's request id: every job of one prompt (or of the whole call) shares it.
+    group: str
+    index: int  # across the call: prompt_index * n + copy
+    prompt_index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+def expand_requests(
+    prompts: Sequence[list[int]],
+    params: Sequence[tuple[SamplingParams, int]],
+    rid: str | Sequence[str] | None = None,
+) -> list[Job]:
+    """The jobs of a call: `n` copies of every (prompt, params), with request ids.
+
+    One `rid` names the call: it is the id of its only job, or `<rid>-<index>` of each.
+    A list names each prompt (SGLang's batch form): `<rid[i]>` or `<rid[i]>-<copy>`.
+    No `rid`: a random one. InvalidRequest (param "rid") for a malformed rid.
+    """
+    if isinstance(rid, str) or rid is None:
+        base = _check_rid(rid) if rid is not None else uuid.uuid4().hex
+        total = sum(n for _, n in params)
+        jobs: list[Job] = []
+        for i, (ids, (p, n)) in enumerate(zip(prompts, params, strict=True)):
+            for k in range(n):
+                index = len(jobs)
+                name = base if total == 1 else f"{base}-{index}"
+                jobs.append(Job(name, base, index, i, ids, p))
+        return jobs
+    if not isinstance(rid, Sequence) or len(rid) != len(prompts):
+        raise InvalidRequest(f"rid must be a string or a list of {len(prompts)} strings", "rid")
+    jobs = []
+    for i, (ids, (p, n), r) in enumerate(zip(prompts, params, rid, strict=True)):
+        base = _check_rid(r)
+        for k in range(n):
+            jobs.append(Job(base if n == 1 else f"{base}-{k}", base, len(jobs), i, ids, p))
+    if len({j.rid for j in jobs}) != len(jobs):
+        raise InvalidRequest("request ids must be distinct", "rid")
+    return jobs
+
+
+# Request ids travel in logs, metrics and the wire: bounded, printable.
+MAX_RID_LEN = 256
+
+
+def _check_rid(rid: Any) -> str:
+    if not isinstance(rid, str) or not 0 < len(rid) <= MAX_RID_LEN or not rid.isprintable():
+        raise InvalidRequest(
+            f"rid must be a non-empty printable string of at most {MAX_RID_LEN} characters",
+            "rid",
+        )
+    return rid

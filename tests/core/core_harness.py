@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rsgl._core import FUTURE_TOKEN, Outcome, Plan, Scheduler
+from rsgl._core import FUTURE_TOKEN, FinishReason, Outcome, Plan, Scheduler
 
 VOCAB = 1000
 
@@ -34,7 +34,7 @@ class FakeExecutor:
     prompts: dict[int, list[int]] = field(default_factory=dict)
     eos_at: dict[int, int] = field(default_factory=dict)  # rid -> output index that is EOS
     outputs: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))
-    finished: dict[int, dict] = field(default_factory=dict)
+    finished: dict[int, FinishReason] = field(default_factory=dict)
     plans: list[Plan] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from core_harness import FakeExecutor, fake_token
 
-from rsgl._core import FUTURE_TOKEN, Scheduler
+from rsgl._core import FUTURE_TOKEN, FinishReason, Scheduler
 
 
 def make(
@@ -53,7 +53,7 @@ def test_plan_arrays_describe_an_extend_then_decodes() -> None:
     ex.land(plan, ex.execute(plan))
     ex.run()
     assert ex.outputs[1] == [fake_token(1, i) for i in range(3)]
-    assert ex.finished[1] == {"type": "length", "length": 3}
+    assert ex.finished[1] == FinishReason.max_length(3)
     assert ex.core.stats()["held"] == 0
 
 
@@ -71,7 +71,7 @@ def test_overlap_uses_placeholders_and_drops_the_token_after_eos() -> None:
     ex.land(second, second_sampled)
     ex.run(overlap=True)
     assert ex.outputs[1] == [fake_token(1, 0), fake_token(1, 1), 0]
-    assert ex.finished[1] == {"type": "stop", "matched": 0}
+    assert ex.finished[1] == FinishReason.stop_token(0)
     # The step planned after EOS computed one extra token; it was dropped and its slot freed.
     assert ex.core.stats()["held"] == 0 and ex.core.stats()["live"] == 0
 
@@ -159,7 +159,7 @@ def test_abort_of_waiting_and_running_requests_leaks_nothing() -> None:
     assert ex.core.abort(1) == "unknown"
     outcome = ex.land(plan, ex.execute(plan))
     assert outcome.tokens.tolist() == []  # the in-flight token is dropped
-    assert ex.finished[1] == {"type": "abort", "message": "cancelled"}
+    assert ex.finished[1] == FinishReason.abort("cancelled")
     assert ex.core.abort(12345) == "unknown"
     stats = ex.core.stats()
     assert stats["live"] == 0 and stats["held"] == 0 and stats["free_req_slots"] == 1
@@ -186,7 +186,7 @@ def test_stop_token_ids_and_min_new_tokens() -> None:
     ex.add(1, prompt_of(1, 5), 20, stop_token_ids=[stop])
     ex.add(2, prompt_of(2, 5), 20, stop_token_ids=[fake_token(2, 1)], min_new_tokens=3)
     ex.run()
-    assert ex.finished[1] == {"type": "stop", "matched": stop}
+    assert ex.finished[1] == FinishReason.stop_token(stop)
     assert len(ex.outputs[1]) == 2
     assert len(ex.outputs[2]) == 20  # the stop token came before min_new_tokens
     ex.add(3, prompt_of(3, 5), 20, stop_token_ids=[fake_token(3, 1)], ignore_eos=True)
@@ -304,7 +304,7 @@ def test_max_new_tokens_is_clamped_to_the_context() -> None:
     ex.add(1, prompt_of(1, 60), 100, ignore_eos=True)
     ex.run()
     assert len(ex.outputs[1]) == 4
-    assert ex.finished[1] == {"type": "length", "length": 4}
+    assert ex.finished[1] == FinishReason.max_length(4)
 
 
 def test_commit_protocol_errors_name_the_problem() -> None:

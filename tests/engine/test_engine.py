@@ -203,15 +203,21 @@ def test_bad_input_raises_value_error_and_the_engine_keeps_serving(engine: Engin
         with pytest.raises(InvalidRequest) as info:
             engine.generate(**kwargs)
         assert info.value.param == param, (kwargs, info.value)
-    # A batch refused by the loop (a repeated id) takes back what it queued, including
-    # around a request that had nothing to generate.
+    # A repeated id within a call is refused before anything is queued ...
+    with pytest.raises(InvalidRequest, match="distinct"):
+        engine.generate(input_ids=[[1, 2], [3, 4]], rid=["a", "a"])
+    # ... and one in use by a running request refuses the whole batch, taking back what it
+    # queued (around a request that had nothing to generate, too); the running one goes on.
+    running = engine.generate("Hello", dict(GREEDY, max_new_tokens=8), stream=True, rid="a")
     with pytest.raises(ValueError, match="already in use"):
         engine.generate(
             input_ids=[[1, 2], [3, 4], [5, 6]],
             sampling_params=[{"max_new_tokens": 4}, {"max_new_tokens": 0}, {"max_new_tokens": 4}],
-            rid=["a", "b", "a"],
+            rid=["b", "c", "a"],
         )
-    assert engine.generate("Hello", GREEDY)["meta_info"]["completion_tokens"] > 0
+    chunks = list(running)
+    assert chunks[-1]["meta_info"]["completion_tokens"] == 8
+    assert engine.generate("Hello", GREEDY, rid="b")["meta_info"]["completion_tokens"] > 0
     engine.check_integrity()
 
 
@@ -294,6 +300,8 @@ def test_kv_cache_dtype_is_validated_and_sizes_the_pool() -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype 'fp8'"):
         EngineArgs(kv_cache_dtype="fp8")
     loaded = load_model(None)
-    full = _pool_tokens(EngineArgs(mem_fraction=0.01), loaded)
-    half = _pool_tokens(EngineArgs(mem_fraction=0.01, kv_cache_dtype="bfloat16"), loaded)
+    full = _pool_tokens(EngineArgs(mem_fraction=0.01), loaded.config, loaded.dtype)
+    half = _pool_tokens(
+        EngineArgs(mem_fraction=0.01, kv_cache_dtype="bfloat16"), loaded.config, loaded.dtype
+    )
     assert half in (2 * full, 2 * full + 1)

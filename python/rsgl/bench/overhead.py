@@ -2,6 +2,7 @@
 
     rsgl bench overhead --running 256 --output-len 512 --json
     rsgl bench overhead --running 256 --null-step-ms 5      # is it hidden behind a forward?
+    rsgl bench overhead --server --running 256              # through `rsgl serve`
 
 `running` requests with random prompts generate `output-len` tokens each (ignore_eos) through
 `rsgl.Engine(load_format="null")`: the Rust core plans and commits, the loop launches and
@@ -9,13 +10,23 @@ reads steps, ids become text (stop strings checked) and reach the caller, who me
 `Engine.generate` does. Only the forward is missing (or is a fixed sleep, `--null-step-ms`,
 standing in for an accelerator's). Step times are the intervals between step ends while
 every request decodes (prefill steps and the last few are left out).
+
+`--server` starts `rsgl serve --load-format null` and streams `running` native `/generate`
+requests at once from as many concurrent clients on loopback: it reports streamed tokens
+per second and the frontend process's CPU seconds per 1,000 streamed tokens.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -48,7 +59,13 @@ def measure(
         seed=seed,
     )
     step_ends: list[float] = []
-    engine._loop.on_step_end = lambda: step_ends.append(time.perf_counter())
+    emit = engine._loop.emit
+
+    def timed_emit(updates: list[Any]) -> None:  # the loop emits once per step
+        emit(updates)
+        step_ends.append(time.perf_counter())
+
+    engine._loop.emit = timed_emit
     params = {"max_new_tokens": output_len, "ignore_eos": True, "temperature": 0.0}
     try:
         start = time.perf_counter()
@@ -85,6 +102,93 @@ def measure(
     return result
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _start_server(
+    running: int, null_step_ms: float, log: Path
+) -> tuple[subprocess.Popen[bytes], str]:
+    import socket
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [
+        sys.executable, "-m", "rsgl", "serve", "--port", str(port), "--load-format", "null",
+        "--null-step-ms", str(null_step_ms), "--max-running-requests", str(running),
+    ]  # fmt: skip
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("rsgl serve exited:\n" + log.read_text())
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("rsgl serve did not start:\n" + log.read_text())
+
+
+async def _stream_all(url: str, prompts: list[list[int]], output_len: int) -> int:
+    """Streams every prompt at once from its own client; the tokens received."""
+    import aiohttp
+
+    params = {"max_new_tokens": output_len, "ignore_eos": True, "temperature": 0.0}
+
+    async def one(session: aiohttp.ClientSession, ids: list[int]) -> int:
+        body = {"input_ids": ids, "sampling_params": params, "stream": True}
+        received = 0
+        async with session.post(f"{url}/generate", json=body) as response:
+            response.raise_for_status()
+            async for raw in response.content:
+                line = raw.strip()
+                if line.startswith(b"data:") and line != b"data: [DONE]":
+                    received += len(json.loads(line[5:])["output_ids"])
+        return received
+
+    connector = aiohttp.TCPConnector(limit=len(prompts))
+    timeout = aiohttp.ClientTimeout(total=None)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        counts = await asyncio.gather(*(one(session, ids) for ids in prompts))
+    return sum(counts)
+
+
+def measure_server(
+    running: int, output_len: int, input_len: int = 100, null_step_ms: float = 0.0, seed: int = 0
+) -> dict[str, Any]:
+    """One run through `rsgl serve` (started here, stopped after)."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(*PROMPT_ID_RANGE, size=input_len).tolist() for _ in range(running)]
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, url = _start_server(running, null_step_ms, Path(tmp) / "serve.log")
+        try:
+            asyncio.run(_stream_all(url, prompts[:8], 8))  # warm up connections and paths
+            cpu0, start = _cpu_seconds(proc.pid), time.perf_counter()
+            tokens = asyncio.run(_stream_all(url, prompts, output_len))
+            elapsed, cpu = time.perf_counter() - start, _cpu_seconds(proc.pid) - cpu0
+        finally:
+            proc.terminate()
+            proc.wait(timeout=120)
+    assert tokens == running * output_len, f"{tokens} tokens, expected {running * output_len}"
+    return {
+        "running": running,
+        "server": True,
+        "streamed_tokens_per_s": round(tokens / elapsed, 1),
+        "frontend_cpu_s_per_1k_tokens": round(1000 * cpu / tokens, 4),
+        "seconds": round(elapsed, 2),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rsgl bench overhead", description=__doc__)
     parser.add_argument("--running", type=int, nargs="+", default=[256])
@@ -93,19 +197,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--null-step-ms", type=float, default=0.0)
     parser.add_argument("--disable-overlap-schedule", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--server", action="store_true", help="through `rsgl serve`")
     parser.add_argument("--json", action="store_true", help="one JSON line per run")
     args = parser.parse_args(argv)
     if not args.json:
         print(f"cpu: {cpu_description()}")
     for running in args.running:
-        result = measure(
-            running,
-            args.output_len,
-            args.input_len,
-            args.null_step_ms,
-            overlap=not args.disable_overlap_schedule,
-            seed=args.seed,
-        )
+        if args.server:
+            result = measure_server(
+                running, args.output_len, args.input_len, args.null_step_ms, args.seed
+            )
+        else:
+            result = measure(
+                running,
+                args.output_len,
+                args.input_len,
+                args.null_step_ms,
+                overlap=not args.disable_overlap_schedule,
+                seed=args.seed,
+            )
         if args.json:
             print(json.dumps(result), flush=True)
         else:

@@ -25,21 +25,36 @@ if TYPE_CHECKING:
     from rsgl.sampling_params import SamplingParams
 
 
-class NullRunner:
-    """Seeded-random tokens for every sampled row of a plan, `step_ms` after it arrives.
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer: uint64 -> well-spread uint64 (element-wise)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    out: np.ndarray = x ^ (x >> np.uint64(31))
+    return out
 
-    Token ids avoid the model's EOS ids, so a request runs to its length unless its own
-    stop conditions end it: the work per step is what the plan says, not luck.
+
+class NullRunner:
+    """A token for every row of a plan, `step_ms` after the plan arrives.
+
+    The token at each position is a hash of (seed, the request's prompt, the position), so
+    a request's output does not depend on how it was batched, chunked, cached or retracted:
+    every scheduling option must give the same text, which makes the null model a test
+    oracle as well as a benchmark. Ids avoid the model's EOS ids, so a request runs to its
+    length unless its own stop conditions end it.
     """
 
-    def __init__(self, config: ModelConfig, *, step_ms: float = 0.0, seed: int = 0) -> None:
+    def __init__(
+        self, config: ModelConfig, *, max_running_requests: int, step_ms: float = 0.0, seed: int = 0
+    ) -> None:
         self.config = config
         self.step_s = step_ms / 1000
-        self._rng = np.random.default_rng(seed)
-        eos = np.asarray(sorted(config.eos_token_ids), dtype=np.int64)
-        # Draw from [0, vocab - len(eos)) and shift past each EOS id: uniform over the rest.
+        self._seed = np.uint64(seed & 0xFFFFFFFFFFFFFFFF)
+        self._keys = np.zeros(max_running_requests, dtype=np.uint64)  # per request slot
+        eos = np.asarray(sorted(set(config.eos_token_ids)), dtype=np.int64)
         self._eos = eos[(eos >= 0) & (eos < config.vocab_size)]
-        self._high = config.vocab_size - len(self._eos)
+        self._high = np.uint64(config.vocab_size - len(self._eos))
 
     def admit(
         self,
@@ -48,13 +63,20 @@ class NullRunner:
         prompt_ids: Sequence[int],
         output_ids: Sequence[int] = (),
     ) -> None:
-        """Nothing to set up: the null model keeps no per-request state."""
+        """The slot's key: a hash of the prompt (whatever was generated before is implied)."""
+        ids = np.asarray(prompt_ids, dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            weights = _mix(np.arange(1, len(ids) + 1, dtype=np.uint64))
+            self._keys[req_slot] = _mix(np.bitwise_xor.reduce(_mix(ids ^ weights)) ^ self._seed)
 
     def step(self, plan: Plan) -> StepOutput:
-        """One token per request of `plan` (the core ignores rows that do not sample)."""
+        """One token per row of `plan` (the core ignores rows that do not sample)."""
         if self.step_s > 0:
             time.sleep(self.step_s)
-        ids = self._rng.integers(0, self._high, size=len(plan.rids), dtype=np.int64)
+        positions = plan.seq_lens.astype(np.uint64)
+        with np.errstate(over="ignore"):
+            h = _mix(self._keys[plan.req_slots] ^ _mix(positions))
+        ids = (h % self._high).astype(np.int64)
         for e in self._eos:  # ascending, so each shift sees the ids already moved past
             ids += ids >= e
         return StepOutput(SampleOutput(torch.from_numpy(ids)))

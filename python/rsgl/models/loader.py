@@ -189,6 +189,6 @@ def load_model(
 
 def load_tokenizer(model_dir: str | os.PathLike[str]) -> Any:
     """The HF tokenizer stored with the model (chat template included)."""
-    from transformers import AutoTokenizer
+    from rsgl.tokenizer.loader import load_tokenizer as load
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    return load(model_dir)

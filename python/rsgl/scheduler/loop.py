@@ -6,6 +6,10 @@ before it reads step N's tokens, so Python/Rust scheduling and detokenization ov
 torch forward (torch releases the GIL in its ops). A decode input that is not on the host
 yet is a placeholder the runner resolves from its FutureMap. The core defers every free a
 still-running step could observe, so the loop never has to reason about that itself.
+
+The loop knows token ids, not text: after each step it emits one list of `TokenUpdate`s
+(new ids and typed finishes); `rsgl.tokenizer.output_processor` makes text of them, in this
+process (the Engine) or in the server's frontend process.
 """
 
 from __future__ import annotations
@@ -21,11 +25,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from rsgl._core import Plan, Scheduler
+from rsgl._core import FinishReason, Plan, Scheduler
 from rsgl.model_executor.model_runner import StepOutput
+from rsgl.outputs import TokenUpdate
 from rsgl.sampling_params import SamplingParams
 from rsgl.scheduler.fault_injection import FaultInjector, InjectedFault
-from rsgl.tokenizer.detokenizer import Decoder, IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +37,9 @@ logger = logging.getLogger(__name__)
 # (no step succeeding in between) mean the model state is broken, and the loop stops.
 MAX_CONSECUTIVE_STEP_FAILURES = 8
 
-# An update for one request: (text delta, new token ids, finished meta_info or None).
-Deliver = Callable[[str, list[int], dict[str, Any] | None], None]
+# Where the loop's updates go: called on the loop thread, once per step (with every
+# request that advanced or ended) and once per finish outside a step (an abort).
+Emit = Callable[[list[TokenUpdate]], None]
 
 
 class Runner(Protocol):
@@ -59,11 +64,8 @@ class Request:
     core_id: int
     prompt_ids: list[int]
     params: SamplingParams
-    deliver: Deliver
-    # None in raw-token mode: the caller detokenizes (and reports stop strings via `finish`).
-    detok: IncrementalDetokenizer | None
+    # Generated so far: a retracted request is re-admitted with them.
     output_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[str, Any]] = field(default_factory=list)
     arrival: float = field(default_factory=time.perf_counter)
     scheduled: float | None = None  # first time a plan included it (queue time ends)
 
@@ -82,11 +84,8 @@ class SchedulerLoop:
     """Drives `core` and `runner`; requests and commands arrive through a queue.
 
     Every public method is thread-safe: it enqueues a command for the loop thread, which
-    alone touches the core, the runner and request state. With a `tokenizer` the loop
-    detokenizes and applies stop strings itself (the in-process Engine); without one it
-    delivers token ids only and the caller reports stop strings with `finish` (the server,
-    whose frontend process detokenizes). `on_step_end` runs after each step's results have
-    been delivered (the server flushes one message per step there).
+    alone touches the core, the runner and request state. Results go to `emit` (see
+    `Emit`); whoever detokenizes reports the stop strings it finds with `finish`.
 
     Faults are isolated: a step whose execution raises aborts exactly the requests in it
     (finish_reason abort with status_code 500 and the error; their KV is released and never
@@ -98,16 +97,14 @@ class SchedulerLoop:
         self,
         core: Scheduler,
         runner: Runner,
-        tokenizer: Decoder | None,
+        emit: Emit,
         *,
         overlap: bool = True,
-        on_step_end: Callable[[], None] | None = None,
     ) -> None:
         self.core = core
         self.runner = runner
-        self.tokenizer = tokenizer
+        self.emit = emit
         self.overlap = overlap
-        self.on_step_end = on_step_end
         self._inbox: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self._requests: dict[int, Request] = {}
         self._by_rid: dict[str, int] = {}
@@ -155,60 +152,45 @@ class SchedulerLoop:
     # ---------------------------------------------------------------- commands
 
     def submit(
-        self,
-        rid: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        deliver: Deliver,
-        wait: bool = True,
-        priority: int = 0,
+        self, rid: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> None:
-        """Queues a request. With `wait`, raises ValueError (from the core) if it can never
-        run; without, returns at once and reports such an error as an abort through
-        `deliver` (its message starts with "invalid request:")."""
-
-        def add() -> None:
-            self._add(rid, prompt_ids, params, deliver, priority)
-
-        if wait:
-            self.call(add)
-            return
+        """Queues a request and returns at once; if the core refuses it, it ends with an
+        abort (status 400, message "invalid request: ...")."""
 
         def add_or_report() -> None:
             try:
-                add()
+                self._add(rid, prompt_ids, params, priority)
             except Exception as exc:  # noqa: BLE001 - one bad request must not stop the loop
-                reason = {
-                    "type": "abort",
-                    "message": f"invalid request: {exc}",
-                    "status_code": 400,
-                    "err_type": "BadRequestError",
-                }
-                meta = _meta(rid, reason)
-                meta["prompt_tokens"] = len(prompt_ids)
-                deliver("", [], meta)
+                reason = FinishReason.abort(f"invalid request: {exc}", 400)
+                self.emit([TokenUpdate(rid, [], finish=reason, cached_tokens=0)])
 
         self._inbox.put(add_or_report)
 
-    def _add(
-        self,
-        rid: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        deliver: Deliver,
-        priority: int,
-    ) -> bool:
-        """On the loop thread: registers a request with the core and here; False when it
-        is over at once (nothing to generate)."""
+    def add_many(self, requests: Sequence[tuple[str, list[int], SamplingParams]]) -> None:
+        """On the loop thread (inside `call`): adds requests so the next plan sees them all.
+        If one is refused (ValueError from the core), none is added and the error raises."""
+        added: list[str] = []
+        try:
+            for rid, prompt_ids, params in requests:
+                self._add(rid, prompt_ids, params, 0)
+                added.append(rid)
+        except BaseException:
+            for rid in added:
+                core_id = self._by_rid.pop(rid)
+                del self._requests[core_id]
+                self.core.abort(core_id, "another request of the batch was refused")
+            raise
+
+    def _add(self, rid: str, prompt_ids: list[int], params: SamplingParams, priority: int) -> None:
+        """On the loop thread: registers a request with the core and here."""
         if rid in self._by_rid:
             raise ValueError(f"request id {rid!r} is already in use")
         if params.max_new_tokens == 0:
-            # Nothing to generate: the request is over before it starts (the core only
-            # takes requests that generate).
-            meta = _meta(rid, {"type": "length", "length": 0})
-            meta["prompt_tokens"] = len(prompt_ids)
-            deliver("", [], meta)
-            return False
+            # Nothing to generate: over before it starts (the core only takes requests
+            # that generate).
+            reason = FinishReason.max_length(0)
+            self.emit([TokenUpdate(rid, [], finish=reason, cached_tokens=0, queue_time=0.0)])
+            return
         core_id = self._next_core_id
         self.core.add_request(
             core_id,
@@ -220,44 +202,16 @@ class SchedulerLoop:
             priority=priority,
         )
         self._next_core_id += 1
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(
-                self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens
-            )
-        self._requests[core_id] = Request(rid, core_id, prompt_ids, params, deliver, detok)
+        self._requests[core_id] = Request(rid, core_id, prompt_ids, params)
         self._by_rid[rid] = core_id
-        return True
-
-    def submit_many(
-        self, requests: Sequence[tuple[str, list[int], SamplingParams, Deliver]]
-    ) -> None:
-        """Queues several requests in one loop command, so the next plan sees them all.
-        If one is rejected, the ones already added are aborted and the error is raised."""
-        added: list[str] = []
-
-        def add_all() -> None:
-            try:
-                for rid, prompt_ids, params, deliver in requests:
-                    if self._add(rid, prompt_ids, params, deliver, 0):
-                        added.append(rid)
-            except BaseException:
-                for rid in added:
-                    core_id = self._by_rid.pop(rid)
-                    self.core.abort(core_id, "another request of the batch was rejected")
-                    del self._requests[core_id]
-                raise
-
-        if requests:
-            self.call(add_all)
 
     def post(self, fn: Callable[[], object]) -> None:
         """Runs `fn` on the loop thread soon, without waiting."""
         self._inbox.put(fn)
 
     def finish(self, rid: str, matched: str) -> None:
-        """The caller found stop string `matched`: the request ends now, silently (the caller
-        already completed it)."""
+        """Whoever detokenizes found stop string `matched`: the request ends now, silently
+        (its output was completed there)."""
 
         def finish() -> None:
             core_id = self._by_rid.pop(rid, None)
@@ -278,7 +232,7 @@ class SchedulerLoop:
             status = self.core.abort(core_id, message)
             if status == "removed":
                 req = self._requests[core_id]
-                self._complete(req, {"type": "abort", "message": message}, cached_tokens=0)
+                self.emit([self._complete(req, FinishReason.abort(message), cached_tokens=0)])
             return status != "unknown"
 
         if not wait:
@@ -327,11 +281,11 @@ class SchedulerLoop:
                     launched = None
             if launched is not None:
                 self._process(launched)
-            self._abort_all("the engine is shutting down", 503, "ServiceUnavailableError")
+            self._abort_all("the engine is shutting down", 503)
         except BaseException as exc:  # the engine reports it; requests must not hang
             logger.exception("rsgl scheduler loop failed")
             self.error = exc
-            self._abort_all(f"engine error: {exc!r}", 500, "InternalServerError")
+            self._abort_all(f"engine error: {exc!r}", 500)
 
     def _admissions(self, plan: Plan) -> list[tuple[int, SamplingParams, list[int], list[int]]]:
         """Per-slot sampling state for requests that got a request slot in this plan."""
@@ -385,19 +339,17 @@ class SchedulerLoop:
         # releases (uncached) those no later in-flight step still reads.
         outcome = self.core.commit(plan.id, np.zeros(len(core_ids), dtype=np.int64))
         failed = set(core_ids)
+        updates = []
         for f in outcome.finished:
             req = self._requests.get(f.rid)
             if req is None:
                 continue
-            reason = dict(f.finish_reason)
-            if f.rid in failed:
-                reason.update(status_code=500, err_type="InternalServerError")
-            self._complete(req, reason, cached_tokens=f.cached_tokens)
-        if self.on_step_end is not None:
-            self.on_step_end()
+            reason = FinishReason.abort(message, 500) if f.rid in failed else f.finish_reason
+            updates.append(self._complete(req, reason, cached_tokens=f.cached_tokens))
+        self.emit(updates)
 
     def _process(self, launched: _Launched) -> None:
-        """Reads a step's tokens, commits them, streams text and finishes requests."""
+        """Reads a step's tokens, commits them and emits what each request got."""
         try:
             out = launched.result.result()
             # Inside the try: on a GPU, an error of the step's kernels surfaces here.
@@ -410,87 +362,54 @@ class SchedulerLoop:
         index = None
         if out.sample.token_logprobs is not None:
             index = {rid: i for i, rid in enumerate(launched.plan.rids.tolist())}
-        # As SGLang: the text of a request stopped by a token leaves that token out.
-        stopped_by_token = {
-            f.rid for f in outcome.finished if isinstance(f.finish_reason.get("matched"), int)
-        }
+        finished = {f.rid: f for f in outcome.finished}
+        updates = []
         for core_id, token in zip(outcome.rids.tolist(), outcome.tokens.tolist()):
             req = self._requests[core_id]
+            update = TokenUpdate(req.rid, [token])
+            if not req.output_ids:
+                update.cached_tokens = self._cached_tokens_of(req)
+                update.queue_time = (req.scheduled or req.arrival) - req.arrival
             req.output_ids.append(token)
             if index is not None and req.params.return_logprob:
-                req.logprobs.append(_logprob_entry(out, index[core_id], req.params, token))
-            if req.detok is None:
-                req.deliver("", [token], None)
-                continue
-            if core_id in stopped_by_token:
-                continue
-            delta = req.detok.add(token)
-            if req.detok.matched_stop is not None:
-                cached = self._cached_tokens_of(req)
-                self.core.finish(core_id, req.detok.matched_stop)
-                reason = {"type": "stop", "matched": req.detok.matched_stop}
-                self._complete(req, reason, cached_tokens=cached, last_delta=delta, token=token)
-            elif delta:
-                req.deliver(delta, [token], None)
-            else:
-                req.deliver("", [token], None)
-        for f in outcome.finished:
+                update.logprobs = [_logprob_entry(out, index[core_id], req.params, token)]
+            f = finished.pop(core_id, None)
+            if f is not None:
+                self._forget(req)
+                update.finish = f.finish_reason
+                update.cached_tokens = f.cached_tokens
+            updates.append(update)
+        for f in finished.values():  # finished without a token this step
             done = self._requests.get(f.rid)
             if done is not None:
-                self._complete(done, f.finish_reason, cached_tokens=f.cached_tokens)
-        if self.on_step_end is not None:
-            self.on_step_end()
+                updates.append(self._complete(done, f.finish_reason, cached_tokens=f.cached_tokens))
+        self.emit(updates)
 
-    def _complete(
-        self,
-        req: Request,
-        reason: dict[str, Any],
-        cached_tokens: int | None,
-        last_delta: str = "",
-        token: int | None = None,
-    ) -> None:
+    def _forget(self, req: Request) -> None:
         del self._requests[req.core_id]
         self._by_rid.pop(req.rid, None)
+
+    def _complete(
+        self, req: Request, reason: FinishReason, cached_tokens: int | None
+    ) -> TokenUpdate:
+        """Ends `req` here; returns the update that tells its caller."""
+        self._forget(req)
         if cached_tokens is None:
-            cached_tokens = int(self._cached_tokens_of(req))
-        meta = _meta(req.rid, reason)
-        meta.update(
-            prompt_tokens=len(req.prompt_ids),
-            completion_tokens=len(req.output_ids),
-            cached_tokens=cached_tokens,
-            e2e_latency=time.perf_counter() - req.arrival,
-            queue_time=(req.scheduled or time.perf_counter()) - req.arrival,
+            cached_tokens = self._cached_tokens_of(req)
+        queue_time = (req.scheduled or time.perf_counter()) - req.arrival
+        return TokenUpdate(
+            req.rid, [], finish=reason, cached_tokens=cached_tokens, queue_time=queue_time
         )
-        if req.params.return_logprob:
-            meta["output_token_logprobs"] = req.logprobs
-        text = last_delta + (req.detok.finish() if req.detok is not None else "")
-        req.deliver(text, [] if token is None else [token], meta)
 
     def _cached_tokens_of(self, req: Request) -> int:
         info = self.core.request_info(req.core_id)
         return 0 if info is None else int(info.get("cached_tokens", 0))
 
-    def _abort_all(self, message: str, status_code: int, err_type: str) -> None:
-        reason: dict[str, Any] = {
-            "type": "abort",
-            "message": message,
-            "status_code": status_code,
-            "err_type": err_type,
-        }
-        for req in list(self._requests.values()):
-            self._complete(req, dict(reason), cached_tokens=0)
-
-
-def _meta(rid: str, reason: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "finish_reason": reason,
-        "prompt_tokens": 0,
-        "completion_tokens": 0,
-        "cached_tokens": 0,
-        "e2e_latency": 0.0,
-        "queue_time": 0.0,
-    }
+    def _abort_all(self, message: str, status_code: int) -> None:
+        reason = FinishReason.abort(message, status_code)
+        updates = [self._complete(r, reason, 0) for r in list(self._requests.values())]
+        if updates:
+            self.emit(updates)
 
 
 def _logprob_entry(out: StepOutput, i: int, params: SamplingParams, token: int) -> dict[str, Any]:

@@ -1,9 +1,10 @@
 """The frontend's side of the engine: tokenized requests out, token ids in, text to clients.
 
 It runs in the HTTP process's event loop. Requests go to the scheduler process over ZeroMQ;
-each step's token ids come back in one message, are detokenized here (stop strings found
-here are reported back so the scheduler stops the request), and reach each request's
-asyncio queue. Latency metrics are measured here, where the client sees them.
+each step's `TokenUpdate`s come back in one message and go through the same
+`OutputProcessor` the in-process Engine uses (stop strings found there are reported back so
+the scheduler stops the request), to each request's `OutputQueue`. Latency metrics are
+measured here, where the client sees them.
 """
 
 from __future__ import annotations
@@ -14,16 +15,18 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
+from rsgl._core import FinishReason
+from rsgl.outputs import Output
 from rsgl.sampling_params import SamplingParams
 from rsgl.server import ipc
 from rsgl.server.metrics import ServerMetrics
-from rsgl.tokenizer.detokenizer import Decoder, IncrementalDetokenizer
+from rsgl.tokenizer.detokenizer import Decoder
+from rsgl.tokenizer.output_processor import OutputProcessor, OutputQueue, RequestRecord
 
 logger = logging.getLogger("rsgl.server")
 
@@ -33,36 +36,6 @@ FLUSH_TIMEOUT_S = 30.0
 TIMER_INTERVAL_S = 0.25
 # Updates a streaming request may have waiting for its client before the stall clock starts.
 STREAM_BACKLOG_LIMIT = 64
-
-
-@dataclass(slots=True)
-class Update:
-    """New text and token ids of one request; `meta` (SGLang's meta_info) when it is over."""
-
-    text: str
-    token_ids: list[int]
-    meta: dict[str, Any] | None = None
-
-
-@dataclass(slots=True)
-class ReqState:
-    """A request the frontend is waiting on."""
-
-    rid: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    detok: IncrementalDetokenizer
-    # The client's request id (several choices of one request share it).
-    group: str
-    queue: asyncio.Queue[Update] = field(default_factory=asyncio.Queue)
-    created: float = field(default_factory=time.perf_counter)
-    last_token: float | None = None
-    completion_tokens: int = 0
-    # When the server gives up on it (--request-timeout-s).
-    deadline: float | None = None
-    # The HTTP response streaming it, and since when its client has not kept up.
-    stream_task: asyncio.Task[Any] | None = None
-    stalled_since: float | None = None
 
 
 class EngineUnavailable(RuntimeError):
@@ -85,7 +58,7 @@ class Frontend:
         request_timeout_s: float | None = None,
         stream_stall_timeout_s: float = 30.0,
     ) -> None:
-        self.tokenizer = tokenizer
+        self.processor = OutputProcessor(tokenizer, on_stop=self._on_stop, observer=self)
         self.info = info
         self.metrics = metrics
         self.commands = commands
@@ -94,7 +67,6 @@ class Frontend:
         self.log_requests = log_requests
         self.request_timeout_s = request_timeout_s
         self.stream_stall_timeout_s = stream_stall_timeout_s
-        self.pending: dict[str, ReqState] = {}
         self._groups: dict[str, set[str]] = {}  # client request id -> pending choice ids
         self.stats: dict[str, Any] = {}
         self.healthy = True
@@ -105,6 +77,11 @@ class Frontend:
         self._last_log = time.perf_counter()
         self._last_generated = 0
 
+    @property
+    def pending(self) -> dict[str, RequestRecord]:
+        """The requests not finished yet, by request id."""
+        return self.processor.records
+
     # ------------------------------------------------------------------ requests
 
     async def submit(
@@ -114,7 +91,7 @@ class Frontend:
         params: SamplingParams,
         priority: int = 0,
         group: str | None = None,
-    ) -> ReqState:
+    ) -> RequestRecord:
         """Sends a request; raises EngineUnavailable when unhealthy or the queue is full.
         `group` is the client's request id when `rid` is one choice of several."""
         if not self.healthy:
@@ -122,71 +99,54 @@ class Frontend:
         if self.draining:
             raise EngineUnavailable("the server is shutting down")
         if self.max_queued_requests is not None:
-            waiting = sum(1 for s in self.pending.values() if s.last_token is None)
+            waiting = sum(1 for r in self.pending.values() if r.last_token_at is None)
             if waiting >= self.max_queued_requests:
                 raise EngineUnavailable(
                     f"too many queued requests ({waiting}); the limit is {self.max_queued_requests}"
                 )
-        if rid in self.pending:
-            raise ValueError(f"request id {rid!r} is already in use")
-        detok = IncrementalDetokenizer(
-            self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens
-        )
         wire = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
         # Encoded before the request is registered: if that fails, nothing is left behind.
         message = ipc.encoder.encode(ipc.AddRequest(rid, prompt_ids, wire, priority))
-        state = ReqState(rid, prompt_ids, params, detok, group or rid)
+        queue = OutputQueue(asyncio.get_running_loop(), threadsafe=False)
+        record = RequestRecord(rid, prompt_ids, params, queue, group or rid)
         if self.request_timeout_s is not None:
-            state.deadline = state.created + self.request_timeout_s
-        self.pending[rid] = state
-        self._groups.setdefault(state.group, set()).add(rid)
+            record.deadline = record.created + self.request_timeout_s
+        self.processor.add(record)  # ValueError if the id is in use
+        self._groups.setdefault(record.group, set()).add(rid)
         self.commands.send(message)
         if self.log_requests:
             logger.info("request %s: %d prompt tokens, %s", rid, len(prompt_ids), wire)
-        return state
+        return record
 
-    async def updates(self, state: ReqState) -> AsyncIterator[Update]:
-        """A request's updates until it finishes; aborts it if the consumer goes away."""
+    async def outputs(self, record: RequestRecord) -> AsyncIterator[Output]:
+        """A request's outputs until it finishes; aborts it if the consumer goes away."""
         finished = False
         try:
-            while True:
-                update = await state.queue.get()
-                yield update
-                if update.meta is not None:
-                    finished = True
-                    return
+            async for output in record.queue:
+                yield output
+                finished = output.meta is not None
         finally:
             # Synchronous on purpose: this also runs while the consumer is being cancelled.
             if not finished:
-                self.abort(state.rid, "the client disconnected")
+                self.abort(record.rid, "the client disconnected")
 
-    def watch_stream(self, states: list[ReqState]) -> None:
+    def watch_stream(self, records: list[RequestRecord]) -> None:
         """The current task streams these requests to a client: if that client stops
         reading, the requests are aborted and the task cancelled (which closes the
         connection) after the stall timeout."""
         task = asyncio.current_task()
-        for state in states:
-            state.stream_task = task
+        for record in records:
+            record.stream_task = task
 
     def abort(
-        self,
-        rid: str,
-        message: str = "aborted by the client",
-        status_code: int | None = None,
-        err_type: str | None = None,
+        self, rid: str, message: str = "aborted by the client", status_code: int | None = None
     ) -> bool:
         """Aborts a pending request; it finishes with finish_reason abort. A `status_code`
         marks an abort the server decided (a timeout): the client gets it as an error."""
-        state = self.pending.pop(rid, None)
-        if state is None:
+        if rid not in self.pending:
             return False
         self._send(ipc.AbortRequest(rid, message))
-        reason: dict[str, Any] = {"type": "abort", "message": message}
-        if status_code is not None:
-            reason.update(status_code=status_code, err_type=err_type)
-        meta = self._meta(state, reason)
-        self._finish(state, Update(self._rest_of_text(state), [], meta))
-        return True
+        return self.processor.end(rid, FinishReason.abort(message, status_code))
 
     async def drain(self, timeout_s: float) -> None:
         """Graceful shutdown: refuse new requests, wait up to `timeout_s` for the pending
@@ -209,20 +169,20 @@ class Frontend:
 
     def expire(self, now: float) -> None:
         """One pass of `run_timers` at time `now`."""
-        for rid, state in list(self.pending.items()):
-            if state.deadline is not None and now > state.deadline:
+        for rid, record in list(self.pending.items()):
+            if record.deadline is not None and now > record.deadline:
                 message = (
                     f"the request ran longer than the server's limit of {self.request_timeout_s} s"
                 )
-                self.abort(rid, message, 504, "TimeoutError")
+                self.abort(rid, message, 504)
             elif (
-                state.stalled_since is not None
-                and now - state.stalled_since > self.stream_stall_timeout_s
+                record.stalled_since is not None
+                and now - record.stalled_since > self.stream_stall_timeout_s
             ):
                 logger.warning("request %s: its client stopped reading; aborting it", rid)
-                self.abort(rid, "the client stopped reading the stream", 408, "TimeoutError")
-                if state.stream_task is not None:
-                    state.stream_task.cancel()
+                self.abort(rid, "the client stopped reading the stream", 408)
+                if record.stream_task is not None:
+                    record.stream_task.cancel()
 
     async def flush_cache(self) -> bool:
         """Empties the scheduler's prefix cache; False while requests run. Raises
@@ -243,16 +203,15 @@ class Frontend:
     def abort_all(self, message: str) -> None:
         """Ends every pending request (shutdown or a dead scheduler): clients get a 503."""
         for rid in list(self.pending):
-            self.abort(rid, message, 503, "ServiceUnavailableError")
+            self.abort(rid, message, 503)
 
-    def _rest_of_text(self, state: ReqState) -> str:
-        """The held-back tail of a request's text; "" if the detokenizer itself fails (an
-        error path must not fail the same way again)."""
-        try:
-            return state.detok.finish()
-        except Exception:
-            logger.exception("request %s: the end of its text could not be decoded", state.rid)
-            return ""
+    def abort_group(self, group: str) -> bool:
+        """Aborts every pending choice of the client's request `group`."""
+        rids = list(self._groups.get(group, ()))
+        return sum(self.abort(rid) for rid in rids) > 0
+
+    def _on_stop(self, rid: str, matched: str) -> None:
+        self._send(ipc.FinishRequest(rid, matched))
 
     def _send(self, command: ipc.Command) -> None:
         # PUSH to a connected peer below its high-water mark sends at once; not awaiting the
@@ -266,18 +225,7 @@ class Frontend:
         while True:
             event = ipc.event_decoder.decode(await self.events.recv())
             if isinstance(event, ipc.StepOutputs):
-                now = time.perf_counter()
-                for out in event.outputs:
-                    try:
-                        self._on_output(out, now)
-                    except Exception:  # one request's failure stays its own
-                        logger.exception("request %s: its output could not be processed", out.rid)
-                        self.abort(
-                            out.rid,
-                            "internal error processing the output",
-                            500,
-                            "InternalServerError",
-                        )
+                self.processor.process(event.updates)
             elif isinstance(event, ipc.Stats):
                 self.stats = event.stats
                 self.metrics.observe_stats(event.stats)
@@ -287,76 +235,32 @@ class Frontend:
                 if future is not None and not future.done():
                     future.set_result(event.ok)
 
-    def _on_output(self, out: ipc.RequestOutput, now: float) -> None:
-        state = self.pending.get(out.rid)
-        if state is None:
-            return  # finished or aborted here already
-        ids = out.token_ids
-        meta = out.meta
+    # ------------------------------------------------------------------ observer
+
+    def on_tokens(self, record: RequestRecord, count: int, now: float) -> None:
+        """Latency metrics, and the stall clock of a stream whose client falls behind."""
         m = self.metrics.model
-        if ids:
-            if state.last_token is None:
-                self.metrics.ttft.labels(m).observe(now - state.created)
-            else:
-                self.metrics.itl.labels(m).observe(now - state.last_token)
-            state.last_token = now
-            state.completion_tokens += len(ids)
-            self.metrics.generation_tokens.labels(m).inc(len(ids))
-        # As SGLang: a request stopped by a token leaves that token's text out.
-        text_ids = ids
-        if meta is not None and isinstance(meta["finish_reason"].get("matched"), int) and ids:
-            text_ids = ids[:-1]
-        text = []
-        for i, token in enumerate(text_ids):
-            text.append(state.detok.add(token))
-            if state.detok.matched_stop is not None:
-                matched = state.detok.matched_stop
-                self._send(ipc.FinishRequest(out.rid, matched))
-                state.completion_tokens -= len(ids) - (i + 1)
-                del self.pending[out.rid]
-                meta = self._meta(state, {"type": "stop", "matched": matched})
-                self._finish(state, Update("".join(text), ids[: i + 1], meta))
-                return
-        if meta is not None:
-            del self.pending[out.rid]
-            text.append(self._rest_of_text(state))
-            self._finish(state, Update("".join(text), ids, meta))
+        if record.last_token_at is None:
+            self.metrics.ttft.labels(m).observe(now - record.created)
         else:
-            state.queue.put_nowait(Update("".join(text), ids))
-            if state.stream_task is not None and state.queue.qsize() > STREAM_BACKLOG_LIMIT:
-                if state.stalled_since is None:
-                    state.stalled_since = now
-            else:
-                state.stalled_since = None
+            self.metrics.itl.labels(m).observe(now - record.last_token_at)
+        self.metrics.generation_tokens.labels(m).inc(count)
+        if record.stream_task is not None and record.queue.qsize() >= STREAM_BACKLOG_LIMIT:
+            if record.stalled_since is None:
+                record.stalled_since = now
+        else:
+            record.stalled_since = None
 
-    def _meta(self, state: ReqState, reason: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "id": state.rid,
-            "finish_reason": reason,
-            "prompt_tokens": len(state.prompt_ids),
-            "completion_tokens": state.completion_tokens,
-            "cached_tokens": 0,
-            "e2e_latency": time.perf_counter() - state.created,
-        }
-
-    def abort_group(self, group: str) -> bool:
-        """Aborts every pending choice of the client's request `group`."""
-        rids = list(self._groups.get(group, ()))
-        return sum(self.abort(rid) for rid in rids) > 0
-
-    def _finish(self, state: ReqState, update: Update) -> None:
-        meta = update.meta
-        assert meta is not None
-        members = self._groups.get(state.group)
+    def on_finish(self, record: RequestRecord, meta: dict[str, Any]) -> None:
+        members = self._groups.get(record.group)
         if members is not None:
-            members.discard(state.rid)
+            members.discard(record.rid)
             if not members:
-                del self._groups[state.group]
+                del self._groups[record.group]
         aborted = meta["finish_reason"]["type"] == "abort"
         self.metrics.observe_finish(meta, aborted)
         if self.log_requests:
-            logger.info("finish %s: %s", state.rid, meta)
-        state.queue.put_nowait(update)
+            logger.info("finish %s: %s", record.rid, meta)
 
     def _maybe_log(self) -> None:
         now = time.perf_counter()

@@ -1,7 +1,8 @@
 """Messages between the frontend and the scheduler process (ZeroMQ + msgpack via msgspec).
 
-The frontend PUSHes commands; the scheduler PUSHes one `StepOutputs` per step (every
-request's new tokens and finishes of that step) plus `Ready` once and `Stats` periodically.
+The frontend PUSHes commands; the scheduler PUSHes one `StepOutputs` per step (the loop's
+`TokenUpdate`s: every request's new tokens and finishes of that step) plus `Ready` once and
+`Stats` periodically.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+
+from rsgl.outputs import TokenUpdate, decode_hook, encode_hook
 
 
 class AddRequest(msgspec.Struct, tag="add"):
@@ -49,16 +52,10 @@ class Ready(msgspec.Struct, tag="ready"):
     info: dict[str, Any]
 
 
-class RequestOutput(msgspec.Struct, array_like=True):
-    """New tokens of one request in a step; `meta` (meta_info) when it finished."""
-
-    rid: str
-    token_ids: list[int]
-    meta: dict[str, Any] | None
-
-
 class StepOutputs(msgspec.Struct, tag="step"):
-    outputs: list[RequestOutput]
+    """What the loop emitted for one step (or one finish outside a step)."""
+
+    updates: list[TokenUpdate]
 
 
 class Stats(msgspec.Struct, tag="stats"):
@@ -72,6 +69,6 @@ class FlushResult(msgspec.Struct, tag="flushed"):
 
 Event = Ready | StepOutputs | Stats | FlushResult
 
-encoder = msgspec.msgpack.Encoder()
+encoder = msgspec.msgpack.Encoder(enc_hook=encode_hook)
 command_decoder = msgspec.msgpack.Decoder(Command)
-event_decoder = msgspec.msgpack.Decoder(Event)
+event_decoder = msgspec.msgpack.Decoder(Event, dec_hook=decode_hook)

@@ -31,6 +31,7 @@ from rsgl.server import ipc
 from rsgl.server.app import DEFAULT_MAX_REQUEST_BYTES, ServerState, StateHolder, create_app
 from rsgl.server.frontend import Frontend
 from rsgl.server.metrics import ServerMetrics
+from rsgl.tokenizer.loader import load_tokenizer
 
 logger = logging.getLogger("rsgl.server")
 
@@ -112,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disable-overlap-schedule", action="store_true")
     p.add_argument("--enable-mixed-chunk", action="store_true")
     p.add_argument("--attention-backend", default="torch_native")
+    p.add_argument("--load-format", default="auto", choices=["auto", "null"])
+    p.add_argument("--null-step-ms", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -161,8 +164,6 @@ def make_app(ns: argparse.Namespace, server: _Server | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        from transformers import AutoTokenizer
-
         ipc_dir = tempfile.mkdtemp(prefix="rsgl-ipc-")
         command_addr = f"ipc://{ipc_dir}/commands"
         event_addr = f"ipc://{ipc_dir}/events"
@@ -180,7 +181,7 @@ def make_app(ns: argparse.Namespace, server: _Server | None = None) -> FastAPI:
         proc.start()
         logger.info("scheduler process %d started; loading the model", proc.pid)
         info = await _wait_ready(events, proc)
-        tokenizer = AutoTokenizer.from_pretrained(ns.tokenizer_path or info["model_dir"])
+        tokenizer = load_tokenizer(ns.tokenizer_path or info["model_dir"])
         metrics = ServerMetrics(model_name)
         frontend = Frontend(
             tokenizer,

@@ -1,7 +1,7 @@
 """The scheduler process: rsgl._core, the model and the loop, fed by the frontend over ZeroMQ.
 
-It owns no HTTP and no text: requests arrive tokenized, and each step's new token ids and
-finishes go back as one message (the frontend detokenizes and reports stop strings back).
+It owns no HTTP and no text: requests arrive tokenized, and each step's `TokenUpdate`s go
+back as one message (the frontend detokenizes and reports stop strings back).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import zmq
 
 from rsgl.args import EngineArgs
 from rsgl.engine import build_stack
+from rsgl.outputs import TokenUpdate
 from rsgl.sampling_params import SamplingParams
 from rsgl.scheduler.loop import SchedulerLoop
 from rsgl.server import ipc
@@ -25,27 +26,15 @@ STATS_INTERVAL_S = 1.0
 
 
 class _Outbox:
-    """Collects one step's outputs on the loop thread and sends them as one message."""
+    """Sends the scheduler's events; used on the loop thread only (after `Ready`)."""
 
     def __init__(self, socket: zmq.Socket[bytes]) -> None:
         self.socket = socket
-        self.outputs: dict[str, ipc.RequestOutput] = {}
 
-    def deliver_for(self, rid: str) -> Any:
-        def deliver(_text: str, ids: list[int], meta: dict[str, Any] | None) -> None:
-            out = self.outputs.get(rid)
-            if out is None:
-                out = self.outputs[rid] = ipc.RequestOutput(rid, [], None)
-            out.token_ids.extend(ids)
-            if meta is not None:
-                out.meta = meta
-
-        return deliver
-
-    def flush(self) -> None:
-        if self.outputs:
-            self.send(ipc.StepOutputs(list(self.outputs.values())))
-            self.outputs.clear()
+    def emit(self, updates: list[TokenUpdate]) -> None:
+        """The loop's emit: one message per step."""
+        if updates:
+            self.send(ipc.StepOutputs(updates))
 
     def send(self, event: ipc.Event) -> None:
         self.socket.send(ipc.encoder.encode(event), copy=False)
@@ -62,11 +51,7 @@ def run_scheduler_process(args: EngineArgs, command_addr: str, event_addr: str) 
     outbox = _Outbox(events)
     stack = build_stack(args)
     loop = SchedulerLoop(
-        stack.core,
-        stack.runner,
-        None,
-        overlap=not args.disable_overlap_schedule,
-        on_step_end=outbox.flush,
+        stack.core, stack.runner, outbox.emit, overlap=not args.disable_overlap_schedule
     )
     info = {
         "context_length": stack.context_length,
@@ -109,7 +94,6 @@ def run_scheduler_process(args: EngineArgs, command_addr: str, event_addr: str) 
     finally:
         stop.set()
         loop.shutdown()
-        outbox.flush()
         events.close(linger=1000)
         commands.close(linger=0)
         ctx.term()
@@ -127,10 +111,7 @@ def _rss_bytes() -> int:
 def _dispatch(command: ipc.Command, loop: SchedulerLoop, core: Any, outbox: _Outbox) -> None:
     if isinstance(command, ipc.AddRequest):
         params = SamplingParams(**command.params)
-        deliver = outbox.deliver_for(command.rid)
-        loop.submit(
-            command.rid, command.prompt_ids, params, deliver, wait=False, priority=command.priority
-        )
+        loop.submit(command.rid, command.prompt_ids, params, priority=command.priority)
     elif isinstance(command, ipc.AbortRequest):
         loop.abort(command.rid, command.message, wait=False)
     elif isinstance(command, ipc.FinishRequest):
@@ -138,6 +119,3 @@ def _dispatch(command: ipc.Command, loop: SchedulerLoop, core: Any, outbox: _Out
     elif isinstance(command, ipc.FlushCache):
         token = command.token
         loop.post(lambda: outbox.send(ipc.FlushResult(token, bool(core.flush_cache()))))
-    # Outputs produced outside a step (an abort of a queued request, a rejected request) go
-    # out right away rather than waiting for the next step.
-    loop.post(outbox.flush)

@@ -1,0 +1,76 @@
+"""What flows out of the scheduling loop, and what a caller finally receives.
+
+The loop knows token ids, never text: per step it reports one `TokenUpdate` per request that
+advanced or ended. `rsgl.tokenizer.output_processor` turns those into `Output`s (text deltas,
+token ids and, at the end, SGLang's `meta_info`), in the Engine's process or in the server's
+frontend process alike; `TokenUpdate` is also what crosses the process boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from rsgl._core import FinishReason
+
+
+class TokenUpdate(msgspec.Struct, array_like=True, gc=False):
+    """One request's news from one step: its new token ids (a stop token included), their
+    log-probability entries when it asked for them, and how it finished, if it did.
+    `cached_tokens` and `queue_time` come with its first token and with its finish."""
+
+    rid: str
+    token_ids: list[int]
+    logprobs: list[dict[str, Any]] | None = None
+    finish: FinishReason | None = None
+    cached_tokens: int | None = None
+    queue_time: float | None = None
+
+
+def _encode_finish(obj: Any) -> Any:
+    if isinstance(obj, FinishReason):
+        return obj.to_dict()
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+def _decode_finish(kind: type, obj: Any) -> Any:
+    if kind is FinishReason:
+        return FinishReason.from_dict(obj)
+    raise NotImplementedError(f"cannot decode {kind.__name__}")
+
+
+# msgpack with FinishReason as its API dict (for the scheduler process -> frontend wire).
+encode_hook = _encode_finish
+decode_hook = _decode_finish
+
+
+@dataclass(slots=True)
+class Output:
+    """What a caller gets for one request: new text and token ids, and `meta` (SGLang's
+    meta_info: id, finish_reason, token counts, latencies) once it is over."""
+
+    text: str
+    token_ids: list[int]
+    meta: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """`{"text", "output_ids"[, "meta_info"]}`, as SGLang's generate answers."""
+        out: dict[str, Any] = {"text": self.text, "output_ids": self.token_ids}
+        if self.meta is not None:
+            out["meta_info"] = self.meta
+        return out
+
+
+def merge(outputs: Iterable[Output]) -> Output:
+    """A request's outputs as one: the texts and ids concatenated, the last meta."""
+    text: list[str] = []
+    ids: list[int] = []
+    meta = None
+    for o in outputs:
+        text.append(o.text)
+        ids.extend(o.token_ids)
+        meta = o.meta
+    return Output("".join(text), ids, meta)

@@ -1,0 +1,56 @@
+"""Operations: /health, /health_generate (a real one-token generation), /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Annotated
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from rsgl.sampling_params import SamplingParams
+from rsgl.server.frontend import EngineUnavailable
+from rsgl.server.routes.common import ServerState, server_state
+
+router = APIRouter()
+State = Annotated[ServerState, Depends(server_state)]
+
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+# Paths open without the API key.
+OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
+
+
+@router.get("/health")
+async def health(st: State) -> Response:
+    f = st.frontend
+    ok = f.healthy and not f.draining and st.is_alive()
+    return Response(status_code=200 if ok else 503)
+
+
+@router.get("/health_generate")
+async def health_generate(st: State) -> Response:
+    if not (st.frontend.healthy and st.is_alive()):
+        return Response(status_code=503)
+    params = SamplingParams(max_new_tokens=1, temperature=0.0)
+    rid = f"health-{uuid.uuid4().hex}"
+    try:
+        record = await st.frontend.submit(
+            rid, [int(t) for t in st.tokenizer.encode("ping")], params
+        )
+
+        async def drain() -> None:
+            async for _ in st.frontend.outputs(record):
+                pass
+
+        await asyncio.wait_for(drain(), HEALTH_GENERATE_TIMEOUT_S)
+    except (TimeoutError, EngineUnavailable):
+        st.frontend.abort(rid, "health check timed out")
+        return Response(status_code=503)
+    return Response(status_code=200)
+
+
+@router.get("/metrics")
+async def metrics(st: State) -> Response:
+    return Response(st.frontend.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,254 @@
+"""The OpenAI API: /v1/models, /v1/completions, /v1/chat/completions."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+
+from rsgl.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    bad_request,
+    sum_usage,
+)
+from rsgl.server.routes.common import (
+    Choice,
+    ServerState,
+    check_model,
+    collect,
+    merged,
+    sampling,
+    server_state,
+    sse,
+    start,
+    stream_response,
+)
+from rsgl.validation import tokenize_prompt
+
+router = APIRouter()
+State = Annotated[ServerState, Depends(server_state)]
+
+# How the OpenAI APIs spell the sampling fields an error may name.
+COMPLETION_PARAMS = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "top_logprobs": "logprobs",
+    "top_logprobs_num": "logprobs",
+    "logprobs": "logprobs",
+}
+CHAT_PARAMS = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "top_logprobs_num": "top_logprobs",
+}
+
+
+def _is_ids(p: Any) -> bool:
+    return bool(p) and all(isinstance(t, int) for t in p)
+
+
+def envelope(
+    st: ServerState, cid: str, kind: str, created: int, choices: list[dict[str, Any]], **extra: Any
+) -> dict[str, Any]:
+    """An OpenAI response or stream chunk around `choices`."""
+    body = {"id": cid, "object": kind, "created": created, "model": st.model_name}
+    return dict(body, choices=choices, **extra)
+
+
+def finish_reason(meta: dict[str, Any] | None) -> str | None:
+    return None if meta is None else str(meta["finish_reason"]["type"])
+
+
+def _token_text(st: ServerState, token: int) -> str:
+    return str(st.tokenizer.decode([token]))
+
+
+def completion_logprobs(
+    st: ServerState, meta: dict[str, Any], offset: int
+) -> dict[str, Any] | None:
+    entries = meta.get("output_token_logprobs")
+    if entries is None:
+        return None
+    tokens = [_token_text(st, e["token_id"]) for e in entries]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [
+            {_token_text(st, t["token_id"]): t["logprob"] for t in e.get("top_logprobs", [])}
+            for e in entries
+        ],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(st: ServerState, meta: dict[str, Any]) -> dict[str, Any] | None:
+    entries = meta.get("output_token_logprobs")
+    if entries is None:
+        return None
+
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        text = _token_text(st, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            dict(
+                item(e["token_id"], e["logprob"]),
+                top_logprobs=[item(t["token_id"], t["logprob"]) for t in e.get("top_logprobs", [])],
+            )
+            for e in entries
+        ]
+    }
+
+
+@router.get("/v1/models")
+async def models(st: State) -> dict[str, Any]:
+    model = {
+        "id": st.model_name,
+        "object": "model",
+        "created": st.created,
+        "owned_by": "rsgl",
+        "max_model_len": st.limits.context_length,
+    }
+    return {"object": "list", "data": [model]}
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(req: CompletionRequest, request: Request, st: State) -> Any:
+    check_model(st, req.model)
+    p: Any = req.prompt
+    prompts: list[Any] = [p] if isinstance(p, str) or _is_ids(p) else list(p)
+    if not prompts:
+        raise bad_request("the prompt is empty", "prompt")
+    ids = [
+        tokenize_prompt(st.tokenizer, st.limits, text=x, param="prompt")
+        if isinstance(x, str)
+        else tokenize_prompt(st.tokenizer, st.limits, input_ids=x, param="prompt")
+        for x in prompts
+    ]
+    raw = req.sampling_params()
+    raw.update(n=req.n, max_new_tokens=req.max_tokens)
+    if req.logprobs is not None:
+        raw.update(logprobs=True, top_logprobs=req.logprobs)
+    jobs = [(x, sampling(st, raw, x, COMPLETION_PARAMS)[0]) for x in ids]
+    choices = await start(st, jobs, req.n, req.rid, req.priority)
+    if req.echo:
+        for c in choices:
+            x = prompts[c.prompt_index]
+            c.prefix = x if isinstance(x, str) else str(st.tokenizer.decode(x))
+    cid = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+
+    def chunk(choices_: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> str:
+        return sse(envelope(st, cid, "text_completion", created, choices_, **(extra or {})))
+
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def body() -> AsyncIterator[str]:
+            metas: dict[int, dict[str, Any]] = {}
+            started: set[int] = set()
+            async for c, u in merged(st, choices):
+                text = u.text
+                if c.index not in started:
+                    started.add(c.index)
+                    text = c.prefix + text
+                if u.meta is not None:
+                    metas[c.index] = dict(u.meta, prompt_index=c.prompt_index)
+                if not text and u.meta is None:
+                    continue
+                logprobs = None if u.meta is None else completion_logprobs(st, u.meta, 0)
+                choice = {
+                    "index": c.index,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason(u.meta),
+                }
+                yield chunk([choice])
+            if include_usage:
+                yield chunk([], {"usage": sum_usage(list(metas.values()))})
+
+        return stream_response(body())
+
+    results = await collect(st, request, choices)
+    metas = [dict(u.meta or {}, prompt_index=c.prompt_index) for c, u in results]
+    out = [
+        {
+            "index": c.index,
+            "text": c.prefix + u.text,
+            "logprobs": completion_logprobs(st, u.meta or {}, len(c.prefix)),
+            "finish_reason": finish_reason(u.meta),
+        }
+        for c, u in results
+    ]
+    return envelope(st, cid, "text_completion", created, out, usage=sum_usage(metas))
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(req: ChatCompletionRequest, request: Request, st: State) -> Any:
+    check_model(st, req.model)
+    prompt_ids = tokenize_prompt(st.tokenizer, st.limits, messages=req.messages)
+    max_tokens = req.max_completion_tokens
+    names = dict(CHAT_PARAMS)
+    if max_tokens is None:
+        max_tokens = req.max_tokens
+    else:
+        names["max_new_tokens"] = "max_completion_tokens"
+    raw = req.sampling_params()
+    # No limit given: whatever the context leaves.
+    raw.update(n=req.n, max_new_tokens=max_tokens)
+    if req.logprobs:
+        raw.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
+    params, n = sampling(st, raw, prompt_ids, names)
+    choices: list[Choice] = await start(st, [(prompt_ids, params)], n, req.rid, req.priority)
+    cid = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+
+    def chunk(choices_: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> str:
+        return sse(envelope(st, cid, "chat.completion.chunk", created, choices_, **(extra or {})))
+
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def body() -> AsyncIterator[str]:
+            for c in choices:
+                delta = {"role": "assistant", "content": ""}
+                yield chunk([{"index": c.index, "delta": delta, "finish_reason": None}])
+            metas = []
+            async for c, u in merged(st, choices):
+                if u.meta is not None:
+                    metas.append(dict(u.meta, prompt_index=0))
+                if not u.text and u.meta is None:
+                    continue
+                choice = {
+                    "index": c.index,
+                    "delta": {"content": u.text} if u.text else {},
+                    "logprobs": None if u.meta is None else chat_logprobs(st, u.meta),
+                    "finish_reason": finish_reason(u.meta),
+                }
+                yield chunk([choice])
+            if include_usage:
+                yield chunk([], {"usage": sum_usage(metas)})
+
+        return stream_response(body())
+
+    results = await collect(st, request, choices)
+    metas = [dict(u.meta or {}, prompt_index=0) for _, u in results]
+    out = [
+        {
+            "index": c.index,
+            "message": {"role": "assistant", "content": u.text},
+            "logprobs": chat_logprobs(st, u.meta or {}),
+            "finish_reason": finish_reason(u.meta),
+        }
+        for c, u in results
+    ]
+    return envelope(st, cid, "chat.completion", created, out, usage=sum_usage(metas))

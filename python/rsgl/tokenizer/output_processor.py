@@ -1,0 +1,249 @@
+"""Token ids to text for every request of a step: the one output path of Engine and server.
+
+The loop reports token ids and typed finishes (`rsgl.outputs.TokenUpdate`); an
+`OutputProcessor` keeps one `RequestRecord` per request, turns each step's updates into
+text deltas (incremental detokenization with stop strings and their hold-back), ends a
+request whose text reached a stop string (and tells the loop through `on_stop`), and builds
+SGLang's `meta_info` when a request is over. `rsgl.Engine` runs it on the loop thread, the
+server's frontend on its event loop; both hand their consumers `Output`s through an
+`OutputQueue`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from rsgl._core import FinishReason
+from rsgl.outputs import Output, TokenUpdate
+from rsgl.sampling_params import SamplingParams
+from rsgl.tokenizer.detokenizer import ByteTable, Decoder, IncrementalDetokenizer, fast_decode
+
+logger = logging.getLogger(__name__)
+
+
+class OutputQueue:
+    """One request's outputs on their way to its consumer.
+
+    Without an event loop it is a thread-safe queue read by `__iter__`. With one, it is an
+    asyncio queue read by `__aiter__`, fed from that loop's own thread (`threadsafe=False`,
+    the server's frontend) or from another thread (the Engine's loop thread feeding an
+    `async_generate` caller).
+    """
+
+    def __init__(
+        self, aio_loop: asyncio.AbstractEventLoop | None = None, *, threadsafe: bool = True
+    ) -> None:
+        self.aio_loop = aio_loop
+        self.threadsafe = threadsafe
+        self._sync: queue.SimpleQueue[Output] | None = None
+        self._aio: asyncio.Queue[Output] | None = None
+        if aio_loop is None:
+            self._sync = queue.SimpleQueue()
+        else:
+            self._aio = asyncio.Queue()
+
+    def put(self, output: Output) -> None:
+        if self._sync is not None:
+            self._sync.put(output)
+            return
+        assert self._aio is not None and self.aio_loop is not None
+        if not self.threadsafe:
+            self._aio.put_nowait(output)
+        elif not self.aio_loop.is_closed():  # else the consumer is gone with its loop
+            try:
+                self.aio_loop.call_soon_threadsafe(self._aio.put_nowait, output)
+            except RuntimeError:
+                pass  # closed between the check and the call
+
+    def qsize(self) -> int:
+        """Outputs waiting for the consumer."""
+        return self._sync.qsize() if self._sync is not None else self._aio.qsize()  # type: ignore[union-attr]
+
+    def __iter__(self) -> Iterator[Output]:
+        """Outputs until the last one (the one with `meta`)."""
+        assert self._sync is not None, "an asyncio OutputQueue is read with `async for`"
+        while True:
+            output = self._sync.get()
+            yield output
+            if output.meta is not None:
+                return
+
+    async def __aiter__(self) -> AsyncIterator[Output]:
+        assert self._aio is not None, "a synchronous OutputQueue is read with `for`"
+        while True:
+            output = await self._aio.get()
+            yield output
+            if output.meta is not None:
+                return
+
+
+@dataclass(slots=True, eq=False)
+class RequestRecord:
+    """A request from the moment it is accepted until its last output is delivered."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    queue: OutputQueue
+    # The caller's request id: the choices of one request (n > 1, a batch) share it.
+    group: str = ""
+    created: float = field(default_factory=time.perf_counter)
+    last_token_at: float | None = None
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    queue_time: float | None = None
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    detok: IncrementalDetokenizer | None = None
+    # The server's watch over it: when it times out (--request-timeout-s), the response
+    # task streaming it, since when that client has not kept up.
+    deadline: float | None = None
+    stream_task: asyncio.Task[Any] | None = None
+    stalled_since: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.group:
+            self.group = self.rid
+
+
+class Observer(Protocol):
+    """Hooks for whoever watches requests go by (the server's metrics and request groups)."""
+
+    def on_tokens(self, record: RequestRecord, count: int, now: float) -> None: ...
+
+    def on_finish(self, record: RequestRecord, meta: dict[str, Any]) -> None: ...
+
+
+class OutputProcessor:
+    """Detokenizes, applies stop strings and delivers; see the module docstring.
+
+    All methods run on one thread (the Engine's loop thread, or the frontend's event loop).
+    A request whose output cannot be processed ends alone with an error (status 500).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Decoder,
+        on_stop: Callable[[str, str], None],
+        observer: Observer | None = None,
+    ) -> None:
+        self.decode = fast_decode(tokenizer)
+        self.table = ByteTable.of(tokenizer)  # None: not byte-level BPE (decode windows)
+        self.on_stop = on_stop
+        self.observer = observer
+        self.records: dict[str, RequestRecord] = {}
+
+    def add(self, record: RequestRecord) -> None:
+        """Starts following `record` (its rid must be new here)."""
+        if record.rid in self.records:
+            raise ValueError(f"request id {record.rid!r} is already in use")
+        p = record.params
+        record.detok = IncrementalDetokenizer(
+            self.decode,
+            record.prompt_ids,
+            p.stop,
+            p.skip_special_tokens,
+            p.no_stop_trim,
+            self.table,
+        )
+        self.records[record.rid] = record
+
+    def process(self, updates: Sequence[TokenUpdate]) -> None:
+        """One step's updates: text deltas out, finished requests completed."""
+        now = time.perf_counter()
+        for update in updates:
+            record = self.records.get(update.rid)
+            if record is None:
+                continue  # ended here already (a stop string, an abort)
+            try:
+                self._apply(record, update, now)
+            except Exception:  # one request's failure stays its own
+                logger.exception("request %s: its output could not be processed", record.rid)
+                reason = FinishReason.abort("internal error processing the output", 500)
+                self.end(record.rid, reason, text="")
+
+    def _apply(self, record: RequestRecord, update: TokenUpdate, now: float) -> None:
+        ids = update.token_ids
+        if update.cached_tokens is not None:
+            record.cached_tokens = update.cached_tokens
+        if update.queue_time is not None and record.queue_time is None:
+            record.queue_time = update.queue_time
+        if update.logprobs and record.params.return_logprob:
+            record.logprobs.extend(update.logprobs)
+        if ids and self.observer is not None:
+            self.observer.on_tokens(record, len(ids), now)
+        if ids:
+            record.last_token_at = now
+        finish = update.finish
+        # As SGLang: the text of a request stopped by a token leaves that token out.
+        trim = finish is not None and finish.matched_token is not None
+        text_ids = ids[:-1] if trim and ids and not record.params.no_stop_trim else ids
+        detok = record.detok
+        assert detok is not None
+        parts = []
+        for i, token in enumerate(text_ids):
+            parts.append(detok.add(token))
+            matched = detok.matched_stop
+            if matched is not None:
+                kept = ids[: i + 1]
+                record.completion_tokens += len(kept)
+                self.on_stop(record.rid, matched)
+                self._complete(record, Output("".join(parts), kept), FinishReason.stop_str(matched))
+                return
+        record.completion_tokens += len(ids)
+        if finish is None:
+            record.queue.put(Output("".join(parts), ids))
+            return
+        parts.append(self._rest_of_text(record))
+        self._complete(record, Output("".join(parts), ids), finish)
+
+    def end(self, rid: str, reason: FinishReason, *, text: str | None = None) -> bool:
+        """Ends a request here (an abort, a timeout, a failure): its consumer gets the text
+        held back so far (or `text`) and the finish. False if it is not followed."""
+        record = self.records.get(rid)
+        if record is None:
+            return False
+        rest = self._rest_of_text(record) if text is None else text
+        self._complete(record, Output(rest, []), reason)
+        return True
+
+    def _rest_of_text(self, record: RequestRecord) -> str:
+        """The held-back tail of a request's text; "" if decoding it fails (an error path
+        must not fail the same way again)."""
+        try:
+            assert record.detok is not None
+            return record.detok.finish()
+        except Exception:
+            logger.exception("request %s: the end of its text could not be decoded", record.rid)
+            return ""
+
+    def _complete(self, record: RequestRecord, output: Output, reason: FinishReason) -> None:
+        del self.records[record.rid]
+        meta = make_meta(record, reason)
+        output.meta = meta
+        if self.observer is not None:
+            self.observer.on_finish(record, meta)
+        record.queue.put(output)
+
+
+def make_meta(record: RequestRecord, reason: FinishReason) -> dict[str, Any]:
+    """SGLang's meta_info for a finished request."""
+    now = time.perf_counter()
+    meta: dict[str, Any] = {
+        "id": record.rid,
+        "finish_reason": reason.to_dict(),
+        "prompt_tokens": len(record.prompt_ids),
+        "completion_tokens": record.completion_tokens,
+        "cached_tokens": record.cached_tokens,
+        "e2e_latency": now - record.created,
+        # Never scheduled (aborted while queued): it waited all its life.
+        "queue_time": record.queue_time if record.queue_time is not None else now - record.created,
+    }
+    if record.params.return_logprob:
+        meta["output_token_logprobs"] = record.logprobs
+    return meta

@@ -1,0 +1,93 @@
+"""The whole stack (core, loop, output path) over the null executor, across the core's
+options. The null model's tokens depend only on (prompt, position), so every option must
+give exactly the same outputs: batching, chunking, caching, retraction and overlap are
+invisible to a request, or they are broken."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rsgl.engine import Engine
+
+PROMPTS = 24
+BASELINE: dict[str, Any] = {"disable_overlap_schedule": True, "disable_radix_cache": True}
+OPTIONS: dict[str, dict[str, Any]] = {
+    "overlap": {},
+    "radix": {"disable_overlap_schedule": True},
+    "chunked": {"chunked_prefill_size": 16},
+    "mixed": {"chunked_prefill_size": 16, "enable_mixed_chunk": True},
+    "paged": {"page_size": 16},
+    "small-batch": {"max_running_requests": 3},
+    # A pool too small for everyone's outputs: decode retracts requests and resumes them.
+    "retraction": {
+        "max_total_tokens": 400,
+        "chunked_prefill_size": 64,
+        "schedule_conservativeness": 0.05,
+    },
+    "lpm": {"schedule_policy": "lpm"},
+}
+
+
+def requests() -> tuple[list[list[int]], list[dict[str, Any]]]:
+    rng = np.random.default_rng(7)
+    shared = rng.integers(1000, 40000, size=40).tolist()
+    prompts, params = [], []
+    for i in range(PROMPTS):
+        tail = rng.integers(1000, 40000, size=int(rng.integers(5, 60))).tolist()
+        prompts.append(shared + tail if i % 2 else tail)
+        p: dict[str, Any] = {"max_new_tokens": int(rng.integers(1, 48))}
+        if i % 5 == 0:
+            p["stop"] = ["e"]  # a stop string the random text will meet
+        if i % 7 == 0:
+            p["min_new_tokens"] = min(3, p["max_new_tokens"])
+        params.append(p)
+    return prompts, params
+
+
+def run(rounds: int = 1, **options: Any) -> tuple[list[list[dict[str, Any]]], dict[str, Any]]:
+    """Each round generates every request again (the later ones meet the prefix cache)."""
+    prompts, params = requests()
+    with Engine(
+        load_format="null", max_running_requests=options.pop("max_running_requests", 32), **options
+    ) as engine:
+        outs = []
+        for _ in range(rounds):
+            outs.append(engine.generate(input_ids=prompts, sampling_params=params, use_tqdm=False))
+            engine.check_integrity()
+        return outs, engine.core.stats()
+
+
+@pytest.fixture(scope="module")
+def baseline() -> list[dict[str, Any]]:
+    return run(**BASELINE)[0][0]
+
+
+def test_the_baseline_is_well_formed(baseline: list[dict[str, Any]]):
+    _, params = requests()
+    stopped = 0
+    for out, p in zip(baseline, params, strict=True):
+        meta = out["meta_info"]
+        assert len(out["output_ids"]) == meta["completion_tokens"] <= p["max_new_tokens"]
+        reason = meta["finish_reason"]
+        if reason["type"] == "length":
+            assert meta["completion_tokens"] == p["max_new_tokens"]
+        else:
+            assert reason == {"type": "stop", "matched": "e"} and "e" not in out["text"]
+            stopped += 1
+    assert stopped > 0, "the stop string never matched; the test would not cover it"
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_every_option_gives_the_baselines_outputs(name: str, baseline: list[dict[str, Any]]):
+    rounds, stats = run(2, **OPTIONS[name])
+    for outs in rounds:
+        for got, want in zip(outs, baseline, strict=True):
+            assert (got["text"], got["output_ids"]) == (want["text"], want["output_ids"])
+            assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
+    if name == "retraction":
+        assert stats["retractions"] > 0, "the pool was not small enough to retract"
+    if name != "retraction":
+        assert stats["cached_tokens"] > 0, "the second round never met the prefix cache"

@@ -1,0 +1,169 @@
+"""The one output path: token updates in, text deltas, stop strings and meta_info out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from rsgl._core import FinishReason
+from rsgl.models.loader import resolve_model_dir
+from rsgl.outputs import Output, TokenUpdate, merge
+from rsgl.sampling_params import SamplingParams
+from rsgl.tokenizer.output_processor import OutputProcessor, OutputQueue, RequestRecord
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return AutoTokenizer.from_pretrained(resolve_model_dir(None))
+
+
+class Harness:
+    def __init__(self, tokenizer: Any) -> None:
+        self.stops: list[tuple[str, str]] = []
+        self.processor = OutputProcessor(tokenizer, on_stop=lambda r, m: self.stops.append((r, m)))
+        self.queues: dict[str, OutputQueue] = {}
+
+    def add(self, rid: str, prompt: list[int], **params: Any) -> None:
+        q = OutputQueue()
+        self.queues[rid] = q
+        self.processor.add(RequestRecord(rid, prompt, SamplingParams(**params), q))
+
+    def feed(self, rid: str, ids: list[int], finish: FinishReason | None = None) -> None:
+        """One token per step, the finish with the last."""
+        for i, t in enumerate(ids):
+            last = i == len(ids) - 1
+            self.processor.process([TokenUpdate(rid, [t], finish=finish if last else None)])
+
+    def result(self, rid: str) -> Output:
+        return merge(self.queues[rid])
+
+
+def test_a_stop_token_is_in_output_ids_but_not_in_the_text(tokenizer: Any):
+    h = Harness(tokenizer)
+    h.add("a", tokenizer.encode("Hi"))
+    ids = tokenizer.encode(" there friend") + [2]  # 2: <|im_end|>
+    h.feed("a", ids, FinishReason.stop_token(2))
+    out = h.result("a")
+    assert out.token_ids == ids
+    assert out.text == " there friend"
+    assert out.meta is not None
+    assert out.meta["completion_tokens"] == len(ids) == len(out.token_ids)
+    assert out.meta["finish_reason"] == {"type": "stop", "matched": 2}
+
+
+def test_no_stop_trim_keeps_the_stop_tokens_text(tokenizer: Any):
+    h = Harness(tokenizer)
+    h.add("a", [], no_stop_trim=True, skip_special_tokens=False)
+    ids = tokenizer.encode(" ok") + [2]
+    h.feed("a", ids, FinishReason.stop_token(2))
+    assert h.result("a").text == " ok<|im_end|>"
+
+
+def test_a_stop_string_ends_the_request_and_tells_the_loop(tokenizer: Any):
+    h = Harness(tokenizer)
+    h.add("a", [], stop=[" four"])
+    h.add("b", [])
+    ids = tokenizer.encode("one two three four five six")
+    for t in ids:
+        h.processor.process([TokenUpdate("a", [t]), TokenUpdate("b", [t])])
+    h.processor.process([TokenUpdate("b", [], finish=FinishReason.max_length(len(ids)))])
+    a, b = h.result("a"), h.result("b")
+    assert h.stops == [("a", " four")]
+    assert a.text == "one two three"
+    k = a.token_ids
+    assert k == ids[: len(k)] and tokenizer.decode(k).endswith(" four")
+    assert a.meta is not None and a.meta["finish_reason"] == {"type": "stop", "matched": " four"}
+    assert a.meta["completion_tokens"] == len(k)
+    # The other request of the same steps goes on to its own end.
+    assert b.text == "one two three four five six" and b.token_ids == ids
+    assert "a" not in h.processor.records and "b" not in h.processor.records
+
+
+def test_streamed_outputs_concatenate_to_the_merged_text(tokenizer: Any):
+    h = Harness(tokenizer)
+    h.add("a", tokenizer.encode("Q:"), stop=["zzz"])
+    ids = tokenizer.encode(" 東京 is big, émigré café.")
+    h.feed("a", ids, FinishReason.max_length(len(ids)))
+    chunks = list(h.queues["a"])
+    assert [c.meta is None for c in chunks] == [True] * (len(chunks) - 1) + [False]
+    assert "".join(c.text for c in chunks) == tokenizer.decode(ids)
+    assert [t for c in chunks for t in c.token_ids] == ids
+
+
+def test_an_abort_delivers_the_held_back_text_and_the_reason(tokenizer: Any):
+    h = Harness(tokenizer)
+    h.add("a", [], stop=["Paris. It"])
+    h.feed("a", tokenizer.encode("We saw Paris"))
+    assert h.processor.end("a", FinishReason.abort("timed out", 504))
+    assert not h.processor.end("a", FinishReason.abort("again"))
+    out = h.result("a")
+    assert out.text == "We saw Paris"
+    assert out.meta is not None
+    assert out.meta["finish_reason"] == {
+        "type": "abort",
+        "message": "timed out",
+        "status_code": 504,
+    }
+    # Updates that arrive after the end are ignored.
+    h.processor.process([TokenUpdate("a", [5])])
+    assert h.queues["a"].qsize() == 0
+
+
+class FailingTokenizer:
+    """The real tokenizer, except that decoding `BROKEN` raises (a planted fault)."""
+
+    BROKEN = 12345
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self.BROKEN in ids:
+            raise RuntimeError("planted decode failure")
+        return str(self.inner.decode(ids, skip_special_tokens=skip_special_tokens))
+
+
+def test_one_request_failing_to_decode_ends_alone_with_a_500(tokenizer: Any):
+    h = Harness(FailingTokenizer(tokenizer))
+    h.add("bad", [])
+    h.add("good", [])
+    h.processor.process(
+        [
+            TokenUpdate("bad", [FailingTokenizer.BROKEN]),
+            TokenUpdate("good", [tokenizer.encode("x")[0]]),
+        ]
+    )
+    h.processor.process([TokenUpdate("good", [], finish=FinishReason.max_length(1))])
+    bad, good = h.result("bad"), h.result("good")
+    assert bad.meta is not None and bad.meta["finish_reason"]["status_code"] == 500
+    assert good.text == "x" and good.meta is not None
+    assert good.meta["finish_reason"] == {"type": "length", "length": 1}
+
+
+def test_meta_info_carries_cached_tokens_queue_time_and_logprobs(tokenizer: Any):
+    h = Harness(tokenizer)
+    h.add("a", [1, 2, 3], return_logprob=True)
+    entry = {"token_id": 7, "logprob": -0.5}
+    h.processor.process([TokenUpdate("a", [7], logprobs=[entry], cached_tokens=2, queue_time=0.25)])
+    h.processor.process(
+        [
+            TokenUpdate(
+                "a", [8], logprobs=[entry], finish=FinishReason.max_length(2), cached_tokens=2
+            )
+        ]
+    )
+    meta = h.result("a").meta
+    assert meta is not None
+    assert meta["prompt_tokens"] == 3 and meta["cached_tokens"] == 2
+    assert meta["queue_time"] == 0.25
+    assert meta["output_token_logprobs"] == [entry, entry]
+    assert meta["e2e_latency"] >= 0
+
+
+def test_a_duplicate_request_id_is_refused(tokenizer: Any):
+    h = Harness(tokenizer)
+    h.add("a", [])
+    with pytest.raises(ValueError, match="already in use"):
+        h.add("a", [])
