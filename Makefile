@@ -66,6 +66,7 @@ lint: setup
 	$(PY) -m ruff check python tests benches
 	$(PY) -m ruff format --check python tests benches
 	$(PY) -m mypy python/rsgl
+	$(PY) -m mypy.stubtest rsgl._core
 
 fmt:
 	$(CARGO) fmt --all

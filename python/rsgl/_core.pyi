@@ -1,18 +1,46 @@
-"""Type stubs for rsgl._core, the Rust scheduling core (crates/scheduler-core)."""
+"""Type stubs for rsgl._core, the Rust scheduling core (crates/scheduler-core).
+
+Checked against the built module by `mypy.stubtest` in `make lint`.
+"""
 
 from collections.abc import Sequence
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, final
 
 import numpy as np
 import numpy.typing as npt
 
+__all__ = [
+    "FUTURE_TOKEN",
+    "FinishReason",
+    "Finished",
+    "Outcome",
+    "Plan",
+    "RadixTree",
+    "Scheduler",
+    "TokenPool",
+    "default_config",
+]
+
+_I64: TypeAlias = npt.NDArray[np.int64]
+_U32: TypeAlias = npt.NDArray[np.uint32]
+_Ints: TypeAlias = Sequence[int] | npt.NDArray[np.integer[Any]]
+_Mode: TypeAlias = Literal["extend", "decode", "mixed", "idle"]
+
 FUTURE_TOKEN: int
+"""The input id of a decode whose previous token a step still in flight is computing."""
 
-I64: TypeAlias = npt.NDArray[np.int64]
-U32: TypeAlias = npt.NDArray[np.uint32]
+def default_config() -> dict[str, Any]:
+    """`SchedulerConfig::default()`: what `Scheduler()` runs with for each option not
+    given, keyed by the constructor's keyword names (`chunked_prefill_size` -1: off)."""
 
+@final
 class FinishReason:
-    """Why a request finished: "stop" (by a token or a string), "length" or "abort"."""
+    """Why a request finished, typed.
+
+    `kind` is "stop" (by `matched_token` or `matched_str`), "length" (after `length`
+    tokens) or "abort" (`message`, and `status_code` when the server rather than the client
+    ended it). `to_dict()` is SGLang's `finish_reason` dict; `from_dict` reads it back.
+    """
 
     kind: Literal["stop", "length", "abort"]
     matched_token: int | None
@@ -21,115 +49,202 @@ class FinishReason:
     message: str | None
     status_code: int | None
     @staticmethod
-    def stop_token(token: int) -> FinishReason: ...
+    def stop_token(token: int) -> FinishReason:
+        """Stopped by `token` (EOS or one of the request's stop_token_ids)."""
     @staticmethod
-    def stop_str(matched: str) -> FinishReason: ...
+    def stop_str(matched: str) -> FinishReason:
+        """Stopped by the stop string `matched`."""
     @staticmethod
-    def max_length(length: int) -> FinishReason: ...
+    def max_length(length: int) -> FinishReason:
+        """Reached its length limit after `length` output tokens."""
     @staticmethod
-    def abort(message: str, status_code: int | None = None) -> FinishReason: ...
-    def to_dict(self) -> dict[str, Any]: ...
+    def abort(message: str, status_code: int | None = None) -> FinishReason:
+        """Aborted; `status_code` when the server ended it (the API answers an error)."""
+    def to_dict(self) -> dict[str, Any]:
+        """`{"type": "stop", "matched": id or str}`, `{"type": "length", "length": n}` or
+        `{"type": "abort", "message": str[, "status_code": int]}`."""
     @staticmethod
-    def from_dict(d: dict[str, Any]) -> FinishReason: ...
+    def from_dict(d: dict[str, Any]) -> FinishReason:
+        """The inverse of `to_dict`; ValueError for any other dict."""
+    def __eq__(self, value: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
 
+@final
 class Finished:
+    """A request a commit (or an abort) finished."""
+
     rid: int
     finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
 
+@final
 class Plan:
+    """One step's work: per-request arrays (`rids` ... `sample`, extends first), per-token
+    arrays (`input_ids`, `positions`, `out_cache_loc`), the `req_to_token` writes to apply
+    first, and the requests that took (`admitted`) or gave back (`retracted`) a slot.
+
+    `Scheduler.schedule()` makes them; the constructor builds one by hand (tests,
+    benchmarks) and checks that the arrays of each group agree in length.
+    """
+
     id: int
-    forward_mode: Literal["extend", "decode", "mixed", "idle"]
+    forward_mode: _Mode
     batch_size: int
     num_extends: int
     num_tokens: int
-    rids: I64
-    req_slots: I64
-    prefix_lens: I64
-    extend_lens: I64
-    seq_lens: I64
+    rids: _I64
+    req_slots: _I64
+    prefix_lens: _I64
+    extend_lens: _I64
+    seq_lens: _I64
     sample: npt.NDArray[np.bool_]
-    input_ids: I64
-    positions: I64
-    out_cache_loc: I64
-    write_rows: I64
-    write_cols: I64
-    write_slots: I64
-    admitted: I64
-    retracted: I64
+    input_ids: _I64
+    positions: _I64
+    out_cache_loc: _I64
+    write_rows: _I64
+    write_cols: _I64
+    write_slots: _I64
+    admitted: _I64
+    retracted: _I64
+    def __new__(
+        cls,
+        *,
+        id: int = 0,
+        forward_mode: _Mode = "extend",
+        rids: _Ints | None = None,
+        req_slots: _Ints | None = None,
+        prefix_lens: _Ints | None = None,
+        extend_lens: _Ints | None = None,
+        seq_lens: _Ints | None = None,
+        sample: Sequence[bool] | None = None,
+        input_ids: _Ints | None = None,
+        positions: _Ints | None = None,
+        out_cache_loc: _Ints | None = None,
+        write_rows: _Ints | None = None,
+        write_cols: _Ints | None = None,
+        write_slots: _Ints | None = None,
+        admitted: _Ints | None = None,
+        retracted: _Ints | None = None,
+        num_extends: int | None = None,
+    ) -> Plan: ...
 
+@final
 class Outcome:
-    rids: I64
-    tokens: I64
+    """What a commit produced: the requests that got a token (`rids`, aligned with
+    `tokens`) and those that finished."""
+
+    rids: _I64
+    tokens: _I64
     finished: list[Finished]
 
+@final
 class Scheduler:
-    def __init__(
-        self,
-        max_total_tokens: int,
+    """The scheduling core of one model replica: waiting queue, running batch, radix prefix
+    cache, KV and request-slot allocators, prefill budgets, retraction and finish checks.
+
+    Every option is optional and keeps `default_config()`'s value when not given.
+    """
+
+    def __new__(
+        cls,
+        max_total_tokens: int | None = None,
         *,
-        page_size: int = 1,
-        max_running_requests: int = 256,
-        context_len: int = 8192,
-        max_prefill_tokens: int = 16384,
-        chunked_prefill_size: int | None = 8192,
-        schedule_policy: str = "fcfs",
-        schedule_conservativeness: float = 1.0,
-        disable_radix_cache: bool = False,
-        enable_mixed_chunk: bool = False,
-        priority_preemption_threshold: int = 10,
-        low_priority_values_first: bool = False,
-        eos_token_ids: Sequence[int] = (),
-        seed: int = 0,
-    ) -> None: ...
+        page_size: int | None = None,
+        max_running_requests: int | None = None,
+        context_len: int | None = None,
+        max_prefill_tokens: int | None = None,
+        chunked_prefill_size: int | None = None,
+        schedule_policy: str | None = None,
+        schedule_conservativeness: float | None = None,
+        disable_radix_cache: bool | None = None,
+        enable_mixed_chunk: bool | None = None,
+        priority_preemption_threshold: int | None = None,
+        low_priority_values_first: bool | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+        seed: int | None = None,
+    ) -> Scheduler: ...
+    @property
+    def config(self) -> dict[str, Any]:
+        """The options this core runs with (as `default_config()`)."""
     def add_request(
         self,
         rid: int,
-        input_ids: Sequence[int] | npt.NDArray[np.integer[Any]],
+        input_ids: _Ints,
         max_new_tokens: int = 128,
         *,
         min_new_tokens: int = 0,
-        stop_token_ids: Sequence[int] = (),
+        stop_token_ids: Sequence[int] = ...,
         ignore_eos: bool = False,
         priority: int = 0,
-    ) -> None: ...
-    def schedule(self) -> Plan: ...
-    def commit(self, plan_id: int, next_token_ids: Sequence[int] | I64) -> Outcome: ...
-    def abort(self, rid: int, message: str = ...) -> Literal["removed", "deferred", "unknown"]: ...
-    def fail(self, rid: int, message: str) -> Literal["removed", "deferred", "unknown"]: ...
-    def finish(self, rid: int, matched: str) -> bool: ...
-    def flush_cache(self) -> bool: ...
-    def check(self) -> None: ...
+    ) -> None:
+        """Queues a request; ValueError (nothing queued) for one that can never run."""
+    def schedule(self) -> Plan:
+        """Plans the next step (an "idle" plan when there is nothing to do)."""
+    def commit(self, plan_id: int, next_token_ids: Sequence[int] | _I64) -> Outcome:
+        """Applies a step's sampled tokens (one per request of the plan, in plan order)."""
+    def abort(self, rid: int, message: str = ...) -> Literal["removed", "deferred", "unknown"]:
+        """Aborts a request: "removed" now, "deferred" until the steps reading it commit."""
+    def fail(self, rid: int, message: str) -> Literal["removed", "deferred", "unknown"]:
+        """As `abort`, for a request of a failed step: its KV is never cached."""
+    def finish(self, rid: int, matched: str) -> bool:
+        """Finishes a request whose stop string Python found; False if unknown or over."""
+    def flush_cache(self) -> bool:
+        """Empties the prefix cache; False while anything is queued, running or in flight."""
+    def check(self) -> None:
+        """Raises RuntimeError naming the first broken invariant, if any."""
     @property
-    def has_work(self) -> bool: ...
+    def has_work(self) -> bool:
+        """Whether anything is queued, running or in flight."""
     @property
-    def kv_buffer_size(self) -> int: ...
+    def kv_buffer_size(self) -> int:
+        """Rows the executor's K/V buffers need (slots 0..page_size are padding)."""
     @property
-    def page_size(self) -> int: ...
+    def page_size(self) -> int:
+        """Tokens per KV page."""
     @property
-    def max_prompt_len(self) -> int: ...
-    def max_new_tokens_room(self, prompt_len: int) -> int: ...
-    def stats(self) -> dict[str, int | float]: ...
-    def request_info(self, rid: int) -> dict[str, Any] | None: ...
+    def max_prompt_len(self) -> int:
+        """Longest prompt that leaves room for one output token."""
+    def max_new_tokens_room(self, prompt_len: int) -> int:
+        """Output tokens a prompt of this length leaves room for (0: it would be refused)."""
+    def stats(self) -> dict[str, int | float]:
+        """Load and counters."""
+    def request_info(self, rid: int) -> dict[str, Any] | None:
+        """A live request's state (for tests and debugging), or None."""
 
+@final
 class RadixTree:
-    def __init__(self, page_size: int = 1, disabled: bool = False) -> None: ...
-    def match_prefix(self, key: U32, out: U32 | None = None) -> tuple[int, int, U32]: ...
-    def insert(self, key: U32, values: U32) -> int: ...
-    def lock(self, node: int) -> None: ...
-    def unlock(self, node: int) -> None: ...
-    def evict(self, num_tokens: int) -> U32: ...
+    """SGLang's radix prefix tree on its own (benchmarks and reference tests)."""
+
+    def __new__(cls, page_size: int = 1, disabled: bool = False) -> RadixTree: ...
+    def match_prefix(self, key: _U32, out: _U32 | None = None) -> tuple[int, int, _U32]:
+        """`(length, node, slots)` of the longest cached page-aligned prefix of `key`."""
+    def insert(self, key: _U32, values: _U32) -> int:
+        """Inserts `key` (whole pages) with `values`; returns the length already present."""
+    def lock(self, node: int) -> None:
+        """Protects `node` and its ancestors from eviction."""
+    def unlock(self, node: int) -> None:
+        """Undoes one `lock`."""
+    def evict(self, num_tokens: int) -> _U32:
+        """Evicts least recently used leaves until `num_tokens` are freed; their slots."""
+    def live(self, node: int) -> None:
+        """Raises ValueError unless `node` is a node of the tree."""
     @property
     def evictable_size(self) -> int: ...
     @property
     def protected_size(self) -> int: ...
-    def check(self) -> None: ...
+    def check(self) -> None:
+        """Raises RuntimeError naming the first broken invariant, if any."""
 
+@final
 class TokenPool:
-    def __init__(self, num_tokens: int, page_size: int = 1) -> None: ...
-    def alloc(self, n: int, out: U32 | None = None) -> U32 | None: ...
-    def free(self, slots: U32) -> None: ...
+    """The KV slot allocator on its own: `num_tokens` slots in pages of `page_size`."""
+
+    def __new__(cls, num_tokens: int, page_size: int = 1) -> TokenPool: ...
+    def alloc(self, n: int, out: _U32 | None = None) -> _U32 | None:
+        """`n` slots (whole pages), or None when the pool has too few."""
+    def free(self, slots: _U32) -> None:
+        """Returns slots (whole pages) to the pool."""
     @property
     def available(self) -> int: ...

@@ -1,12 +1,18 @@
-"""Engine options, with SGLang's names: the one place they and their defaults live.
+"""Engine and server options, with SGLang's names: the one place they and their defaults live.
 
-Torch-free, so that the server's frontend process can read them without loading torch.
+Every option is a dataclass field with its help text; `rsgl serve`'s parser is generated from
+them (`add_cli_args`). The core's own defaults (`rsgl._core.default_config()`) agree with
+these (tests/test_args.py). Torch-free, so the server's frontend process reads them cheaply.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-from dataclasses import dataclass
+import types
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from rsgl.validation import RequestLimits
@@ -32,45 +38,74 @@ def check_kv_cache_dtype(name: str) -> None:
         )
 
 
+def option(default: Any, help: str, *, choices: Sequence[str] = (), alias: str = "") -> Any:
+    """A field of an args dataclass: its default, and how `rsgl serve --help` explains it."""
+    meta = {"help": help, "choices": tuple(choices), "alias": alias}
+    return field(default=default, metadata=meta)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineArgs:
-    """Engine options, with SGLang's names."""
+    """Engine options, with SGLang's names (`rsgl.Engine(**options)`, `rsgl serve --flags`)."""
 
-    model_path: str | None = None
-    tokenizer_path: str | None = None
-    device: str = "cpu"
-    dtype: str = "auto"
-    kv_cache_dtype: str = "auto"
-    context_length: int | None = None
-    mem_fraction: float | None = None
-    max_total_tokens: int | None = None
-    max_running_requests: int = 256
-    max_prefill_tokens: int = 16384
-    chunked_prefill_size: int = 2048
-    page_size: int = 1
-    schedule_policy: str = "fcfs"
-    schedule_conservativeness: float = 1.0
-    disable_radix_cache: bool = False
-    disable_overlap_schedule: bool = False
-    enable_mixed_chunk: bool = False
-    attention_backend: str = "torch_native"
-    # "null": no weights and no math, seeded-random tokens (rsgl.model_executor.null_runner),
-    # after `null_step_ms` per step; measures everything but the forward.
-    load_format: str = "auto"
-    null_step_ms: float = 0.0
-    seed: int = 0
-    # Request limits (see rsgl.validation.RequestLimits).
-    allow_auto_truncate: bool = False
-    max_n: int = 128
-    max_logprobs: int = 20
-    max_stop_strings: int = 64
-    max_stop_string_len: int = 1024
+    model_path: str | None = option(
+        None, "HF model directory or GGUF file (default: the embedded SmolLM2-135M-Instruct)"
+    )
+    tokenizer_path: str | None = option(None, "tokenizer directory (default: the model's)")
+    device: str = option("cpu", "torch device to run the model on")
+    dtype: str = option("auto", "model dtype (auto: float32 on CPU, bfloat16 elsewhere)")
+    kv_cache_dtype: str = option(
+        "auto",
+        "K/V storage dtype (auto: the model's; float16/bfloat16 halve a float32 cache)",
+        choices=list(KV_CACHE_DTYPES),
+    )
+    context_length: int | None = option(None, "context length (default: the model's)")
+    mem_fraction: float | None = option(
+        None,
+        "share of device memory for the KV pool (default: 0.15, at most 2^18 tokens)",
+        alias="--mem-fraction-static",
+    )
+    max_total_tokens: int | None = option(None, "KV pool size in tokens (overrides mem-fraction)")
+    max_running_requests: int = option(256, "request slots: most requests decoding at once")
+    max_prefill_tokens: int = option(16384, "input-token budget of one prefill step")
+    chunked_prefill_size: int = option(2048, "longest prefill chunk in tokens (-1: no chunking)")
+    page_size: int = option(1, "tokens per KV page")
+    schedule_policy: str = option(
+        "fcfs",
+        "waiting-queue order",
+        choices=["fcfs", "lpm", "dfs-weight", "lof", "random", "priority"],
+    )
+    schedule_conservativeness: float = option(
+        1.0, "scales the KV reserved for running requests' future tokens (higher: safer)"
+    )
+    disable_radix_cache: bool = option(False, "turn the radix prefix cache off")
+    disable_overlap_schedule: bool = option(
+        False, "run each step's scheduling after its forward instead of during it"
+    )
+    enable_mixed_chunk: bool = option(False, "run decodes in the same step as a prefill chunk")
+    attention_backend: str = option("torch_native", "attention implementation")
+    load_format: str = option(
+        "auto",
+        "auto: load the weights; null: no weights and no math, seeded-random tokens (measures "
+        "everything but the forward)",
+        choices=LOAD_FORMATS,
+    )
+    null_step_ms: float = option(0.0, "with load-format null: each step's stand-in forward time")
+    seed: int = option(0, "random seed (sampling, the random policy)")
+    allow_auto_truncate: bool = option(
+        False, "clamp max_tokens to what the context leaves instead of answering 400"
+    )
+    max_n: int = option(128, "largest n a request may ask for")
+    max_logprobs: int = option(20, "largest (top_)logprobs a request may ask for")
+    max_stop_strings: int = option(64, "most stop strings per request")
+    max_stop_string_len: int = option(1024, "most characters per stop string")
 
     def __post_init__(self) -> None:
         check_kv_cache_dtype(self.kv_cache_dtype)
         if self.load_format not in LOAD_FORMATS:
+            expected = ", ".join(LOAD_FORMATS)
             raise ValueError(
-                f"invalid load_format {self.load_format!r}: expected one of {', '.join(LOAD_FORMATS)}"
+                f"invalid load_format {self.load_format!r}: expected one of {expected}"
             )
         if not 0 <= self.null_step_ms < float("inf"):
             raise ValueError(f"null_step_ms must be finite and >= 0, got {self.null_step_ms}")
@@ -103,3 +138,84 @@ class EngineArgs:
             max_stop_strings=self.max_stop_strings,
             max_stop_string_len=self.max_stop_string_len,
         )
+
+
+# The largest request body the server reads (413 beyond it).
+DEFAULT_MAX_REQUEST_BYTES = 32 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ServerArgs(EngineArgs):
+    """`rsgl serve`'s options: the engine's, and the HTTP server's."""
+
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(30000, "port to listen on")
+    api_key: str | None = option(None, "require `Authorization: Bearer <key>`")
+    served_model_name: str | None = option(
+        None, "model name in the API (default: the model file's name)"
+    )
+    max_queued_requests: int | None = option(
+        None, "answer 503 when this many requests wait for their first token"
+    )
+    log_requests: bool = option(False, "log every request and its result")
+    max_request_bytes: int = option(
+        DEFAULT_MAX_REQUEST_BYTES, "largest request body accepted (413 beyond it)"
+    )
+    request_timeout_s: float | None = option(
+        None, "abort requests running longer than this (off by default)"
+    )
+    stream_stall_timeout_s: float = option(
+        30.0, "abort a stream whose client has not read its output for this long"
+    )
+    socket_send_buffer_bytes: int | None = option(
+        None,
+        "kernel send buffer of each connection (default: the OS autotunes it, up to "
+        "net.ipv4.tcp_wmem's maximum, often 4 MB, per client that stops reading)",
+    )
+    graceful_shutdown_timeout: float = option(
+        30.0, "on SIGTERM, how long in-flight requests may take to finish"
+    )
+
+    def engine_args(self) -> EngineArgs:
+        """The engine's part (what the scheduler process needs)."""
+        names = {f.name for f in dataclasses.fields(EngineArgs)}
+        return EngineArgs(**{k: getattr(self, k) for k in names})
+
+
+def add_cli_args(parser: argparse.ArgumentParser, cls: type[Any]) -> None:
+    """One `--flag-name` per field of the args dataclass `cls`: its type from the annotation
+    (a bool is a switch), its default and help text from the field."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        flags = [f"--{f.name.replace('_', '-')}"]
+        if f.metadata.get("alias"):
+            flags.append(f.metadata["alias"])
+        help_text = f.metadata.get("help", "")
+        kind = _scalar_type(hints[f.name])
+        if kind is bool:
+            parser.add_argument(*flags, dest=f.name, action="store_true", help=help_text)
+            continue
+        default_note = "" if f.default is None else f" (default: {f.default})"
+        parser.add_argument(
+            *flags,
+            dest=f.name,
+            type=kind,
+            default=f.default,
+            choices=f.metadata.get("choices") or None,
+            help=help_text + default_note,
+        )
+
+
+def from_cli(cls: type[Any], ns: argparse.Namespace) -> Any:
+    """An instance of the args dataclass `cls` from a namespace `add_cli_args` parsed."""
+    return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+
+
+def _scalar_type(hint: Any) -> type:
+    """`int` for `int` and `int | None`, and so on."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _scalar_type(inner)
+    if hint not in (str, int, float, bool):
+        raise TypeError(f"no command-line type for {hint!r}")
+    return typing.cast(type, hint)

@@ -254,7 +254,9 @@ class Engine:
             raws = sampling_params
         else:
             raws = [sampling_params or {}] * len(ids)
-        params = [make_sampling_params(r, self.limits, len(p)) for r, p in zip(raws, ids)]
+        params = [
+            make_sampling_params(r, self.limits, len(p)) for r, p in zip(raws, ids, strict=True)
+        ]
         return ids, params, batch or any(n > 1 for _, n in params)
 
     def generate(

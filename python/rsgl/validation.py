@@ -232,7 +232,8 @@ def make_sampling_params(
 
     Types, finiteness and ranges are checked here, and `max_new_tokens` is resolved against
     the context: absent means `default_max_new_tokens` (or less, to fit), None means
-    whatever the context leaves. `max_tokens_param` is how the caller's API spells it (for error messages)."""
+    whatever the context leaves. `max_tokens_param` is how the caller's API spells it (for
+    error messages)."""
     if raw is not None and not isinstance(raw, Mapping):
         raise InvalidRequest("sampling_params must be an object", "sampling_params")
     values = dict(raw or {})
@@ -398,7 +399,7 @@ def expand_requests(
         total = sum(n for _, n in params)
         jobs: list[Job] = []
         for i, (ids, (p, n)) in enumerate(zip(prompts, params, strict=True)):
-            for k in range(n):
+            for _ in range(n):
                 index = len(jobs)
                 name = base if total == 1 else f"{base}-{index}"
                 jobs.append(Job(name, base, index, i, ids, p))

@@ -75,7 +75,7 @@ class FakeExecutor:
     def land(self, plan: Plan, sampled: np.ndarray) -> Outcome:
         outcome = self.core.commit(plan.id, sampled)
         self.core.check()
-        for rid, tok in zip(outcome.rids.tolist(), outcome.tokens.tolist()):
+        for rid, tok in zip(outcome.rids.tolist(), outcome.tokens.tolist(), strict=True):
             self.outputs[rid].append(tok)
         for f in outcome.finished:
             assert f.rid not in self.finished, f"request {f.rid} reported twice"
@@ -108,8 +108,8 @@ class FakeExecutor:
         """A request slot an in-flight step still uses must not go to another request."""
         owner = {}
         for p in inflight:
-            owner.update(zip(p.req_slots.tolist(), p.rids.tolist()))
-        for slot, rid in zip(plan.req_slots.tolist(), plan.rids.tolist()):
+            owner.update(zip(p.req_slots.tolist(), p.rids.tolist(), strict=True))
+        for slot, rid in zip(plan.req_slots.tolist(), plan.rids.tolist(), strict=True):
             assert owner.get(slot, rid) == rid, f"slot {slot} reused by {rid} while in flight"
 
     def assert_outputs_undisturbed(self) -> None:

@@ -83,7 +83,7 @@ def test_retraction_in_a_small_pool_keeps_greedy_outputs(baseline: list[list[int
 
 def test_batched_outputs_match_solo_outputs(engine: Engine, baseline: list[list[int]]) -> None:
     solo = [engine.generate(p, GREEDY)["output_ids"] for p in PROMPTS[:16]]
-    same = sum(a == b for a, b in zip(solo, baseline[:16]))
+    same = sum(a == b for a, b in zip(solo, baseline[:16], strict=True))
     print(f"batched == solo for {same}/16 requests")
     assert same / 16 >= 0.9
 
@@ -288,7 +288,7 @@ def test_a_bfloat16_kv_cache_serves_the_same_batch(baseline: list[list[int]]) ->
     assert info["stats"]["retractions"] == 0
     # Rounded keys and values flip the odd near-tie (measured: 29 of 32 identical); a cache
     # read wrongly garbles every answer from its first token.
-    same = sum(out == ref for out, ref in zip(outputs, baseline))
+    same = sum(out == ref for out, ref in zip(outputs, baseline, strict=True))
     assert same >= 24, f"only {same}/32 outputs match the float32 cache's"
 
 

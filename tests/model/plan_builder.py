@@ -6,27 +6,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from rsgl._core import Plan
 from rsgl.model_executor.model_runner import ModelRunner, StepOutput
 from rsgl.sampling_params import SamplingParams
-
-
-@dataclass
-class Plan:
-    """Field-for-field the plan the Rust core hands the executor (PlanLike)."""
-
-    forward_mode: str
-    rids: np.ndarray
-    req_slots: np.ndarray
-    prefix_lens: np.ndarray
-    extend_lens: np.ndarray
-    seq_lens: np.ndarray
-    input_ids: np.ndarray
-    positions: np.ndarray
-    out_cache_loc: np.ndarray
-    write_rows: np.ndarray
-    write_cols: np.ndarray
-    write_slots: np.ndarray
-    id: int = 0
 
 
 @dataclass
@@ -42,9 +24,9 @@ class Work:
 def build_plan(works: list[Work]) -> Plan:
     """Lay requests out in the given order (callers put extends before decodes)."""
     lens = [len(w.input_ids) for w in works]
-    if all(n == 1 and w.prefix_len > 0 for n, w in zip(lens, works)):
+    if all(n == 1 and w.prefix_len > 0 for n, w in zip(lens, works, strict=True)):
         mode = "decode"
-    elif any(n == 1 and w.prefix_len > 0 for n, w in zip(lens, works)):
+    elif any(n == 1 and w.prefix_len > 0 for n, w in zip(lens, works, strict=True)):
         mode = "mixed"
     else:
         mode = "extend"
@@ -53,13 +35,15 @@ def build_plan(works: list[Work]) -> Plan:
         return np.asarray(xs, dtype=np.int64)
 
     positions = [w.prefix_len + i for w in works for i in range(len(w.input_ids))]
+    decodes = sum(n == 1 and w.prefix_len > 0 for n, w in zip(lens, works, strict=True))
     return Plan(
         forward_mode=mode,
+        num_extends=len(works) - decodes,
         rids=arr(list(range(len(works)))),
         req_slots=arr([w.req_slot for w in works]),
         prefix_lens=arr([w.prefix_len for w in works]),
         extend_lens=arr(lens),
-        seq_lens=arr([w.prefix_len + n for w, n in zip(works, lens)]),
+        seq_lens=arr([w.prefix_len + n for w, n in zip(works, lens, strict=True)]),
         input_ids=arr([t for w in works for t in w.input_ids]),
         positions=arr(positions),
         out_cache_loc=arr([s for w in works for s in w.kv_slots]),

@@ -62,7 +62,7 @@ def test_whole_model_eager_paths_match_kernel_paths(
     monkeypatch.setattr(rsgl.models.llama, "load_cpu_kernels", lambda: None)
     eager, logits_e = driver.greedy(driver.admit(1, prompt), 4)
     assert eager == with_kernels
-    for a, b in zip(logits_k, logits_e):
+    for a, b in zip(logits_k, logits_e, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
 
 
@@ -110,7 +110,7 @@ def test_decode_layer_rotates_stores_and_attends(
     table = torch.zeros(20, 48, dtype=torch.int32)
     req_slots = torch.randperm(20, generator=gen)[:b]
     seq_slots = slots.split(lens)
-    for row, sl in zip(req_slots.tolist(), seq_slots):
+    for row, sl in zip(req_slots.tolist(), seq_slots, strict=True):
         table[row, : len(sl)] = sl.to(torch.int32)
     loc = torch.stack([sl[-1] for sl in seq_slots]).long()
     qkv = torch.randn(b, (heads + 2 * kv_heads) * dim, generator=gen)

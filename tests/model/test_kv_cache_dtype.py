@@ -58,7 +58,9 @@ def test_narrow_cache_paths_agree_and_stay_near_float32(
         # The paths differ in the last float32 bits (a fused kernel vs torch ops), and a key
         # on a rounding boundary then lands one 16-bit step apart: not 1e-4, but one step.
         step = 0.1 if dtype == torch.bfloat16 else 0.01
-        eager_diffs = [float(np.abs(a - b).max()) for a, b in zip(logits, eager_logits)]
+        eager_diffs = [
+            float(np.abs(a - b).max()) for a, b in zip(logits, eager_logits, strict=True)
+        ]
         assert max(eager_diffs) < step, eager_diffs
         monkeypatch.undo()
 
@@ -68,7 +70,7 @@ def test_narrow_cache_paths_agree_and_stay_near_float32(
     # fp16 ~0.007 at most over these 12 steps; the bounds leave room, and a float32 cache
     # read as 16-bit by mistake, or keys stored unrotated, miss them by orders of magnitude.)
     bound = 0.5 if dtype == torch.bfloat16 else 0.05
-    diffs = [float(np.abs(a - b).max()) for a, b in zip(logits, ref_logits)]
+    diffs = [float(np.abs(a - b).max()) for a, b in zip(logits, ref_logits, strict=True)]
     assert max(diffs) < bound, diffs
     assert tokens[:4] == ref_tokens[:4]
 

@@ -55,5 +55,5 @@ def test_whole_model_packed_matches_plain_linear(
     packed_tokens, packed_logits = driver.greedy(driver.admit(0, prompt), 6)
     plain_tokens, plain_logits = plain.greedy(plain.admit(0, prompt), 6)
     assert packed_tokens == plain_tokens
-    for a, b in zip(packed_logits, plain_logits):
+    for a, b in zip(packed_logits, plain_logits, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)

@@ -59,7 +59,7 @@ def test_eight_prompts_match_hf_generate_token_for_token(
             )
         theirs = ref.sequences[0, len(prompt) :].tolist()
         assert len(theirs) == NEW_TOKENS
-        for step, (a, b) in enumerate(zip(ours, theirs)):
+        for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
             hf_logits = ref.logits[step][0].numpy()
             diff = float(np.abs(our_logits[step] - hf_logits).max())
             if a == b:

@@ -51,6 +51,18 @@ impl FromStr for Policy {
 }
 
 impl Policy {
+    /// The name `from_str` reads.
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::Fcfs => "fcfs",
+            Policy::Lpm => "lpm",
+            Policy::DfsWeight => "dfs-weight",
+            Policy::Lof => "lof",
+            Policy::Random => "random",
+            Policy::Priority => "priority",
+        }
+    }
+
     /// The policy in effect for a queue of `waiting` requests. The cache-aware policies fall
     /// back to fcfs without a cache (every prefix would be empty) and lpm above 128 waiting.
     pub fn effective(self, waiting: usize, cache_disabled: bool) -> Policy {

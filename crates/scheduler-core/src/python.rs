@@ -8,7 +8,6 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::policy::Policy;
 use crate::pool::TokenPool;
 use crate::radix::RadixTree;
 use crate::request::{FinishReason, SamplingLimits};
@@ -300,6 +299,37 @@ fn finished_list(py: Python<'_>, v: Vec<Finished>) -> PyResult<Vec<Py<PyFinished
     v.into_iter().map(|f| finished_to_py(py, f)).collect()
 }
 
+/// A `SchedulerConfig` as the keyword arguments of `Scheduler(...)` (chunking off: -1).
+fn config_to_py<'py>(py: Python<'py>, c: &SchedulerConfig) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("max_total_tokens", c.max_total_tokens)?;
+    d.set_item("page_size", c.page_size)?;
+    d.set_item("max_running_requests", c.max_running_requests)?;
+    d.set_item("context_len", c.context_len)?;
+    d.set_item("max_prefill_tokens", c.max_prefill_tokens)?;
+    let chunk = c.chunked_prefill_size.map_or(-1, |n| n as i64);
+    d.set_item("chunked_prefill_size", chunk)?;
+    d.set_item("schedule_policy", c.policy.name())?;
+    d.set_item("schedule_conservativeness", c.schedule_conservativeness)?;
+    d.set_item("disable_radix_cache", c.disable_radix_cache)?;
+    d.set_item("enable_mixed_chunk", c.enable_mixed_chunk)?;
+    d.set_item(
+        "priority_preemption_threshold",
+        c.priority_preemption_threshold,
+    )?;
+    d.set_item("low_priority_values_first", c.low_priority_values_first)?;
+    d.set_item("eos_token_ids", c.eos_token_ids.clone())?;
+    d.set_item("seed", c.seed)?;
+    Ok(d)
+}
+
+/// `SchedulerConfig::default()`: what `Scheduler()` runs with for each option not given.
+/// The Python defaults (`rsgl.args.EngineArgs`) are tested against it.
+#[pyfunction]
+fn default_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    config_to_py(py, &SchedulerConfig::default())
+}
+
 /// One step's work (see the Rust `Plan` docs): per-request and per-token int64 arrays.
 #[pyclass(module = "rsgl._core", name = "Plan", frozen, get_all)]
 pub struct PyPlan {
@@ -328,8 +358,127 @@ pub struct PyPlan {
     retracted: Py<PyArray1<i64>>,
 }
 
+/// The forward modes a plan can have, as `'static` names.
+const FORWARD_MODES: [&str; 4] = ["extend", "decode", "mixed", "idle"];
+
 #[pymethods]
 impl PyPlan {
+    /// A plan built by hand (tests, benchmarks): per-request arrays must agree in length,
+    /// as must the per-token ones and the `req_to_token` writes. `sample` defaults to every
+    /// request, `num_extends` to all requests of an extend and none of a decode (a mixed
+    /// plan must give it).
+    #[new]
+    #[pyo3(signature = (
+        *, id=0, forward_mode="extend", rids=None, req_slots=None, prefix_lens=None,
+        extend_lens=None, seq_lens=None, sample=None, input_ids=None, positions=None,
+        out_cache_loc=None, write_rows=None, write_cols=None, write_slots=None, admitted=None,
+        retracted=None, num_extends=None
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        id: u64,
+        forward_mode: &str,
+        rids: Option<&Bound<'_, PyAny>>,
+        req_slots: Option<&Bound<'_, PyAny>>,
+        prefix_lens: Option<&Bound<'_, PyAny>>,
+        extend_lens: Option<&Bound<'_, PyAny>>,
+        seq_lens: Option<&Bound<'_, PyAny>>,
+        sample: Option<Vec<bool>>,
+        input_ids: Option<&Bound<'_, PyAny>>,
+        positions: Option<&Bound<'_, PyAny>>,
+        out_cache_loc: Option<&Bound<'_, PyAny>>,
+        write_rows: Option<&Bound<'_, PyAny>>,
+        write_cols: Option<&Bound<'_, PyAny>>,
+        write_slots: Option<&Bound<'_, PyAny>>,
+        admitted: Option<&Bound<'_, PyAny>>,
+        retracted: Option<&Bound<'_, PyAny>>,
+        num_extends: Option<usize>,
+    ) -> PyResult<Self> {
+        let mode = FORWARD_MODES
+            .into_iter()
+            .find(|&m| m == forward_mode)
+            .ok_or_else(|| {
+                PyValueError::new_err(format!(
+                    "forward_mode must be one of {FORWARD_MODES:?}, got {forward_mode:?}"
+                ))
+            })?;
+        let get = |a: Option<&Bound<'_, PyAny>>, name: &str| match a {
+            Some(a) => extract_i64(a, name),
+            None => Ok(Vec::new()),
+        };
+        let rids = get(rids, "rids")?;
+        let n = rids.len();
+        let sample = sample.unwrap_or_else(|| vec![true; n]);
+        let num_extends = match (num_extends, mode) {
+            (Some(k), _) => k,
+            (None, "extend") => n,
+            (None, "mixed") => {
+                return Err(PyValueError::new_err("a mixed plan needs num_extends"));
+            }
+            (None, _) => 0,
+        };
+        let per_request = [
+            ("req_slots", get(req_slots, "req_slots")?),
+            ("prefix_lens", get(prefix_lens, "prefix_lens")?),
+            ("extend_lens", get(extend_lens, "extend_lens")?),
+            ("seq_lens", get(seq_lens, "seq_lens")?),
+        ];
+        let per_token = [
+            ("input_ids", get(input_ids, "input_ids")?),
+            ("positions", get(positions, "positions")?),
+            ("out_cache_loc", get(out_cache_loc, "out_cache_loc")?),
+        ];
+        let writes = [
+            ("write_rows", get(write_rows, "write_rows")?),
+            ("write_cols", get(write_cols, "write_cols")?),
+            ("write_slots", get(write_slots, "write_slots")?),
+        ];
+        let same_len = |group: &[(&str, Vec<i64>)], len: usize| -> PyResult<()> {
+            match group.iter().find(|(_, v)| v.len() != len) {
+                Some((name, v)) => Err(PyValueError::new_err(format!(
+                    "{name} has {} entries, expected {len}",
+                    v.len()
+                ))),
+                None => Ok(()),
+            }
+        };
+        same_len(&per_request, n)?;
+        if sample.len() != n || num_extends > n {
+            return Err(PyValueError::new_err(format!(
+                "sample ({}) and num_extends ({num_extends}) must fit the {n} requests",
+                sample.len()
+            )));
+        }
+        let num_tokens = per_token[0].1.len();
+        same_len(&per_token, num_tokens)?;
+        same_len(&writes, writes[0].1.len())?;
+        let [req_slots, prefix_lens, extend_lens, seq_lens] = per_request.map(|(_, v)| v);
+        let [input_ids, positions, out_cache_loc] = per_token.map(|(_, v)| v);
+        let [write_rows, write_cols, write_slots] = writes.map(|(_, v)| v);
+        Ok(PyPlan {
+            id,
+            forward_mode: mode,
+            batch_size: n,
+            num_extends,
+            num_tokens,
+            rids: array(py, rids),
+            req_slots: array(py, req_slots),
+            prefix_lens: array(py, prefix_lens),
+            extend_lens: array(py, extend_lens),
+            seq_lens: array(py, seq_lens),
+            sample: PyArray1::from_vec(py, sample).unbind(),
+            input_ids: array(py, input_ids),
+            positions: array(py, positions),
+            out_cache_loc: array(py, out_cache_loc),
+            write_rows: array(py, write_rows),
+            write_cols: array(py, write_cols),
+            write_slots: array(py, write_slots),
+            admitted: array(py, get(admitted, "admitted")?),
+            retracted: array(py, get(retracted, "retracted")?),
+        })
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "Plan(id={}, forward_mode={:?}, batch_size={}, num_tokens={})",
@@ -356,52 +505,70 @@ pub struct PyScheduler {
 
 #[pymethods]
 impl PyScheduler {
+    /// Every option is optional: what is not given keeps `SchedulerConfig::default()`
+    /// (`default_config()` lists those). `chunked_prefill_size` <= 0 disables chunking.
     #[new]
     #[pyo3(signature = (
-        max_total_tokens, *, page_size=1, max_running_requests=256, context_len=8192,
-        max_prefill_tokens=16384, chunked_prefill_size=Some(8192), schedule_policy="fcfs",
-        schedule_conservativeness=1.0, disable_radix_cache=false, enable_mixed_chunk=false,
-        priority_preemption_threshold=10, low_priority_values_first=false,
-        eos_token_ids=Vec::new(), seed=0
+        max_total_tokens=None, *, page_size=None, max_running_requests=None, context_len=None,
+        max_prefill_tokens=None, chunked_prefill_size=None, schedule_policy=None,
+        schedule_conservativeness=None, disable_radix_cache=None, enable_mixed_chunk=None,
+        priority_preemption_threshold=None, low_priority_values_first=None,
+        eos_token_ids=None, seed=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        max_total_tokens: usize,
-        page_size: usize,
-        max_running_requests: usize,
-        context_len: usize,
-        max_prefill_tokens: usize,
+        max_total_tokens: Option<usize>,
+        page_size: Option<usize>,
+        max_running_requests: Option<usize>,
+        context_len: Option<usize>,
+        max_prefill_tokens: Option<usize>,
         chunked_prefill_size: Option<i64>,
-        schedule_policy: &str,
-        schedule_conservativeness: f64,
-        disable_radix_cache: bool,
-        enable_mixed_chunk: bool,
-        priority_preemption_threshold: i64,
-        low_priority_values_first: bool,
-        eos_token_ids: Vec<u32>,
-        seed: u64,
+        schedule_policy: Option<&str>,
+        schedule_conservativeness: Option<f64>,
+        disable_radix_cache: Option<bool>,
+        enable_mixed_chunk: Option<bool>,
+        priority_preemption_threshold: Option<i64>,
+        low_priority_values_first: Option<bool>,
+        eos_token_ids: Option<Vec<u32>>,
+        seed: Option<u64>,
     ) -> PyResult<Self> {
-        let policy: Policy = schedule_policy.parse().map_err(PyValueError::new_err)?;
+        let d = SchedulerConfig::default();
+        let policy = match schedule_policy {
+            Some(name) => name.parse().map_err(PyValueError::new_err)?,
+            None => d.policy,
+        };
         let cfg = SchedulerConfig {
-            max_total_tokens,
-            page_size,
-            max_running_requests,
-            context_len,
-            max_prefill_tokens,
+            max_total_tokens: max_total_tokens.unwrap_or(d.max_total_tokens),
+            page_size: page_size.unwrap_or(d.page_size),
+            max_running_requests: max_running_requests.unwrap_or(d.max_running_requests),
+            context_len: context_len.unwrap_or(d.context_len),
+            max_prefill_tokens: max_prefill_tokens.unwrap_or(d.max_prefill_tokens),
             // SGLang: -1 (or any value <= 0) disables chunked prefill.
-            chunked_prefill_size: chunked_prefill_size.filter(|&c| c > 0).map(|c| c as usize),
+            chunked_prefill_size: match chunked_prefill_size {
+                Some(c) => usize::try_from(c).ok().filter(|&c| c > 0),
+                None => d.chunked_prefill_size,
+            },
             policy,
-            schedule_conservativeness,
-            disable_radix_cache,
-            enable_mixed_chunk,
-            priority_preemption_threshold,
-            low_priority_values_first,
-            eos_token_ids,
-            seed,
+            schedule_conservativeness: schedule_conservativeness
+                .unwrap_or(d.schedule_conservativeness),
+            disable_radix_cache: disable_radix_cache.unwrap_or(d.disable_radix_cache),
+            enable_mixed_chunk: enable_mixed_chunk.unwrap_or(d.enable_mixed_chunk),
+            priority_preemption_threshold: priority_preemption_threshold
+                .unwrap_or(d.priority_preemption_threshold),
+            low_priority_values_first: low_priority_values_first
+                .unwrap_or(d.low_priority_values_first),
+            eos_token_ids: eos_token_ids.unwrap_or(d.eos_token_ids),
+            seed: seed.unwrap_or(d.seed),
         };
         Ok(Self {
             inner: Scheduler::new(cfg).map_err(to_py_err)?,
         })
+    }
+
+    /// The options this core runs with, named as the constructor's keywords.
+    #[getter]
+    fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        config_to_py(py, self.inner.config())
     }
 
     /// Queues a request; raises ValueError (nothing queued) for a prompt that can never run.
@@ -708,6 +875,7 @@ impl PyRadixTree {
         PyArray1::from_vec(py, freed).unbind()
     }
 
+    /// Raises ValueError unless `node` is a node of the tree (for callers holding ids).
     fn live(&self, node: u32) -> PyResult<()> {
         if self.inner.is_live(node) {
             Ok(())
@@ -802,6 +970,7 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyOutcome>()?;
     m.add_class::<PyFinished>()?;
     m.add_class::<PyFinishReason>()?;
+    m.add_function(wrap_pyfunction!(default_config, m)?)?;
     m.add_class::<PyRadixTree>()?;
     m.add_class::<PyTokenPool>()?;
     m.add("FUTURE_TOKEN", crate::scheduler::FUTURE_TOKEN)?;

@@ -63,7 +63,8 @@ impl Default for SchedulerConfig {
             max_running_requests: 256,
             context_len: 8192,
             max_prefill_tokens: 16384,
-            chunked_prefill_size: Some(8192),
+            // SGLang's size for small devices; larger chunks stall decoding longer on a CPU.
+            chunked_prefill_size: Some(2048),
             policy: Policy::Fcfs,
             schedule_conservativeness: 1.0,
             disable_radix_cache: false,

@@ -12,11 +12,11 @@ import argparse
 import json
 import statistics
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from rsgl._core import Plan
 from rsgl.args import KV_CACHE_DTYPES
 from rsgl.model_executor.model_runner import ModelRunner
 from rsgl.models.llama import LlamaForCausalLM
@@ -25,30 +25,14 @@ from rsgl.sampling_params import SamplingParams
 ROOFLINE_EVERY = 4
 
 
-@dataclass
-class _Plan:
-    """A plan with the fields the runner reads (PlanLike)."""
-
-    forward_mode: str
-    req_slots: np.ndarray
-    prefix_lens: np.ndarray
-    extend_lens: np.ndarray
-    seq_lens: np.ndarray
-    input_ids: np.ndarray
-    positions: np.ndarray
-    out_cache_loc: np.ndarray
-    write_rows: np.ndarray
-    write_cols: np.ndarray
-    write_slots: np.ndarray
-
-
-def _prefill_plan(prompts: np.ndarray, capacity: int) -> _Plan:
+def _prefill_plan(prompts: np.ndarray, capacity: int) -> Plan:
     batch, input_len = prompts.shape
     slots = np.arange(batch, dtype=np.int64)
     # Request r owns KV slots 1 + r * capacity ... (slot 0 is the reserved padding slot).
     kv = 1 + slots[:, None] * capacity + np.arange(input_len)[None, :]
-    return _Plan(
+    return Plan(
         forward_mode="extend",
+        rids=slots,
         req_slots=slots,
         prefix_lens=np.zeros(batch, dtype=np.int64),
         extend_lens=np.full(batch, input_len, dtype=np.int64),
@@ -62,12 +46,13 @@ def _prefill_plan(prompts: np.ndarray, capacity: int) -> _Plan:
     )
 
 
-def _decode_plan(batch: int, position: int, capacity: int) -> _Plan:
+def _decode_plan(batch: int, position: int, capacity: int) -> Plan:
     slots = np.arange(batch, dtype=np.int64)
     kv = 1 + slots * capacity + position
     pos = np.full(batch, position, dtype=np.int64)
-    return _Plan(
+    return Plan(
         forward_mode="decode",
+        rids=slots,
         req_slots=slots,
         prefix_lens=pos,
         extend_lens=np.ones(batch, dtype=np.int64),

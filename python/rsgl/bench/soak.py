@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import time
@@ -421,10 +422,8 @@ async def send_whole(
     if done:
         return task.result()  # finished before the client lost patience
     task.cancel()
-    try:
+    with contextlib.suppress(asyncio.CancelledError):
         await task
-    except asyncio.CancelledError:
-        pass
     return Outcome("dropped")
 
 
@@ -568,9 +567,9 @@ def summarize(
     warmup_stats: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """Counts per outcome, the distinct errors, the idle stats and the leak verdicts."""
-    counts = {kind: 0 for kind in ("completed", "dropped", "aborted", "failed")}
+    counts = dict.fromkeys(("completed", "dropped", "aborted", "failed"), 0)
     errors: list[str] = []
-    for spec, outcome in zip(specs, outcomes):
+    for spec, outcome in zip(specs, outcomes, strict=True):
         counts[outcome.kind] += 1
         if outcome.kind == "failed":
             error = f"{spec.label()}: {outcome.error}"

@@ -58,8 +58,9 @@ class RotaryEmbedding(nn.Module):
     """Rotation tables for packed q/k rows (pair-interleaved layout) by absolute position.
 
     cos + i*sin is precomputed for every position up to `max_positions`, so a step only
-    gathers its tokens' rows, once for all layers (`cis`), and `apply_rotary` rotates. The table is stored as real pairs ([..., 2]) so that moving the
-    model to another dtype never casts a complex tensor to a real one.
+    gathers its tokens' rows, once for all layers (`cis`), and `apply_rotary` rotates. The
+    table is stored as real pairs ([..., 2]) so that moving the model to another dtype never
+    casts a complex tensor to a real one.
     """
 
     cis_cache: torch.Tensor

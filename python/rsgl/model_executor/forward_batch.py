@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from rsgl._core import Plan
 
 
 class ForwardMode(enum.Enum):
@@ -17,33 +20,6 @@ class ForwardMode(enum.Enum):
     DECODE = "decode"
     MIXED = "mixed"
     IDLE = "idle"
-
-
-class PlanLike(Protocol):
-    """The fields of a scheduling-core plan the executor reads (numpy int64 arrays)."""
-
-    @property
-    def forward_mode(self) -> str: ...
-    @property
-    def req_slots(self) -> np.ndarray: ...
-    @property
-    def prefix_lens(self) -> np.ndarray: ...
-    @property
-    def extend_lens(self) -> np.ndarray: ...
-    @property
-    def seq_lens(self) -> np.ndarray: ...
-    @property
-    def input_ids(self) -> np.ndarray: ...
-    @property
-    def positions(self) -> np.ndarray: ...
-    @property
-    def out_cache_loc(self) -> np.ndarray: ...
-    @property
-    def write_rows(self) -> np.ndarray: ...
-    @property
-    def write_cols(self) -> np.ndarray: ...
-    @property
-    def write_slots(self) -> np.ndarray: ...
 
 
 @dataclass(slots=True)
@@ -149,7 +125,7 @@ class ForwardBatch:
         )
 
     @classmethod
-    def from_plan(cls, plan: PlanLike, device: torch.device | str = "cpu") -> ForwardBatch:
+    def from_plan(cls, plan: Plan, device: torch.device | str = "cpu") -> ForwardBatch:
         """Build from a scheduling-core plan (its req_to_token writes are applied elsewhere)."""
         return cls.from_arrays(
             forward_mode=plan.forward_mode,

@@ -8,9 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
+from rsgl._core import Plan
 from rsgl.layers.attention import AttentionBackend, create_attention_backend
 from rsgl.layers.sampler import SampleOutput, Sampler, SlotSamplingState
-from rsgl.model_executor.forward_batch import ForwardBatch, ForwardMode, PlanLike
+from rsgl.model_executor.forward_batch import ForwardBatch, ForwardMode
 from rsgl.model_executor.future_map import FutureMap
 from rsgl.model_executor.kv_cache import KVCache, ReqToTokenPool, resolve_kv_cache_dtype
 from rsgl.models.loader import LoadedModel, load_model
@@ -111,7 +112,7 @@ class ModelRunner:
         """A request takes `req_slot`: reset its sampling state and penalty history."""
         self.sampling.admit(req_slot, params, prompt_ids, output_ids)
 
-    def step(self, plan: PlanLike, *, return_logits: bool = False) -> StepOutput:
+    def step(self, plan: Plan, *, return_logits: bool = False) -> StepOutput:
         """Run one scheduling-core plan end to end."""
         self.req_to_token.apply_writes(plan.write_rows, plan.write_cols, plan.write_slots)
         if plan.forward_mode == ForwardMode.IDLE.value:

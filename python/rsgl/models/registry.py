@@ -9,9 +9,9 @@ from rsgl.models.llama import LlamaForCausalLM
 
 # Every supported architecture is the same decoder; ModelConfig carries the differences
 # (qkv bias, q/k norm, tied embeddings, rope scaling).
-MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
-    name: LlamaForCausalLM for name in SUPPORTED_ARCHITECTURES
-}
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = dict.fromkeys(
+    SUPPORTED_ARCHITECTURES, LlamaForCausalLM
+)
 
 
 def model_class(config: ModelConfig) -> type[nn.Module]:

@@ -291,7 +291,7 @@ class SchedulerLoop:
         """Per-slot sampling state for requests that got a request slot in this plan."""
         if len(plan.admitted) == 0:
             return []
-        slot_of = dict(zip(plan.rids.tolist(), plan.req_slots.tolist()))
+        slot_of = dict(zip(plan.rids.tolist(), plan.req_slots.tolist(), strict=True))
         out = []
         for core_id in plan.admitted.tolist():
             req = self._requests[core_id]
@@ -364,7 +364,7 @@ class SchedulerLoop:
             index = {rid: i for i, rid in enumerate(launched.plan.rids.tolist())}
         finished = {f.rid: f for f in outcome.finished}
         updates = []
-        for core_id, token in zip(outcome.rids.tolist(), outcome.tokens.tolist()):
+        for core_id, token in zip(outcome.rids.tolist(), outcome.tokens.tolist(), strict=True):
             req = self._requests[core_id]
             update = TokenUpdate(req.rid, [token])
             if not req.output_ids:
@@ -420,11 +420,14 @@ def _logprob_entry(out: StepOutput, i: int, params: SamplingParams, token: int) 
         n = params.top_logprobs_num
         entry["top_logprobs"] = [
             {"token_id": int(t), "logprob": float(lp)}
-            for t, lp in zip(s.top_logprob_ids[i, :n].tolist(), s.top_logprobs[i, :n].tolist())
+            for t, lp in zip(
+                s.top_logprob_ids[i, :n].tolist(), s.top_logprobs[i, :n].tolist(), strict=True
+            )
         ]
     if params.token_ids_logprob and s.token_ids_logprobs is not None:
         values = s.token_ids_logprobs[i, : len(params.token_ids_logprob)].tolist()
         entry["token_ids_logprob"] = [
-            {"token_id": t, "logprob": float(lp)} for t, lp in zip(params.token_ids_logprob, values)
+            {"token_id": t, "logprob": float(lp)}
+            for t, lp in zip(params.token_ids_logprob, values, strict=True)
         ]
     return entry

@@ -12,13 +12,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from rsgl.args import DEFAULT_MAX_REQUEST_BYTES
 from rsgl.errors import InvalidRequest
 from rsgl.server.body_limit import BodyLimitMiddleware
 from rsgl.server.protocol import ApiError, bad_request
 from rsgl.server.routes import admin, native, openai
 from rsgl.server.routes.common import ServerState, StateHolder
-
-DEFAULT_MAX_REQUEST_BYTES = 32 << 20
 
 
 def error_response(err: ApiError, headers: Mapping[str, str] | None = None) -> Response:
@@ -94,4 +93,4 @@ def create_app(
     return app
 
 
-__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "ServerState", "StateHolder", "create_app"]
+__all__ = ["ServerState", "StateHolder", "create_app"]

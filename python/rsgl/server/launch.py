@@ -26,9 +26,9 @@ import zmq
 import zmq.asyncio
 from fastapi import FastAPI
 
-from rsgl.args import KV_CACHE_DTYPES, EngineArgs
+from rsgl.args import EngineArgs, ServerArgs, add_cli_args, from_cli
 from rsgl.server import ipc
-from rsgl.server.app import DEFAULT_MAX_REQUEST_BYTES, ServerState, StateHolder, create_app
+from rsgl.server.app import ServerState, StateHolder, create_app
 from rsgl.server.frontend import Frontend
 from rsgl.server.metrics import ServerMetrics
 from rsgl.tokenizer.loader import load_tokenizer
@@ -41,87 +41,19 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """`rsgl serve`'s flags: one per `ServerArgs` field."""
     p = argparse.ArgumentParser(prog="rsgl serve", description="OpenAI-compatible rsgl server")
-    p.add_argument("--model-path", default=None, help="HF directory or GGUF (default: SmolLM2)")
-    p.add_argument("--tokenizer-path", default=None)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--max-queued-requests", type=int, default=None)
-    p.add_argument("--log-requests", action="store_true")
-    p.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=DEFAULT_MAX_REQUEST_BYTES,
-        help="largest request body accepted (413 beyond it)",
-    )
-    p.add_argument(
-        "--request-timeout-s",
-        type=float,
-        default=None,
-        help="abort requests running longer than this (off by default)",
-    )
-    p.add_argument(
-        "--stream-stall-timeout-s",
-        type=float,
-        default=30.0,
-        help="abort a stream whose client has not read its output for this long",
-    )
-    p.add_argument(
-        "--socket-send-buffer-bytes",
-        type=int,
-        default=None,
-        help="kernel send buffer of each connection (default: the OS autotunes it, up to "
-        "net.ipv4.tcp_wmem's maximum, often 4 MB, per client that stops reading)",
-    )
-    p.add_argument(
-        "--graceful-shutdown-timeout",
-        type=float,
-        default=30.0,
-        help="on SIGTERM, how long in-flight requests may take to finish",
-    )
-    p.add_argument(
-        "--allow-auto-truncate",
-        action="store_true",
-        help="clamp max_tokens to what the context leaves instead of answering 400",
-    )
-    p.add_argument("--max-n", type=int, default=128, help="largest n a request may ask for")
-    p.add_argument("--max-logprobs", type=int, default=20, help="largest (top_)logprobs")
-    p.add_argument("--max-stop-strings", type=int, default=64, help="stop strings per request")
-    p.add_argument(
-        "--max-stop-string-len", type=int, default=1024, help="characters per stop string"
-    )
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=list(KV_CACHE_DTYPES),
-        help="K/V storage dtype (auto: the model's; float16/bfloat16 halve a float32 cache)",
-    )
-    p.add_argument("--context-length", type=int, default=None)
-    p.add_argument("--mem-fraction", "--mem-fraction-static", type=float, default=None)
-    p.add_argument("--max-total-tokens", type=int, default=None)
-    p.add_argument("--max-running-requests", type=int, default=256)
-    p.add_argument("--max-prefill-tokens", type=int, default=16384)
-    p.add_argument("--chunked-prefill-size", type=int, default=2048)
-    p.add_argument("--page-size", type=int, default=1)
-    p.add_argument("--schedule-policy", default="fcfs")
-    p.add_argument("--schedule-conservativeness", type=float, default=1.0)
-    p.add_argument("--disable-radix-cache", action="store_true")
-    p.add_argument("--disable-overlap-schedule", action="store_true")
-    p.add_argument("--enable-mixed-chunk", action="store_true")
-    p.add_argument("--attention-backend", default="torch_native")
-    p.add_argument("--load-format", default="auto", choices=["auto", "null"])
-    p.add_argument("--null-step-ms", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
+    add_cli_args(p, ServerArgs)
     return p
 
 
 def engine_args(ns: argparse.Namespace) -> EngineArgs:
-    fields = set(EngineArgs.__dataclass_fields__)
-    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in fields})
+    return server_args(ns).engine_args()
+
+
+def server_args(ns: argparse.Namespace) -> ServerArgs:
+    args: ServerArgs = from_cli(ServerArgs, ns)
+    return args
 
 
 class _Server(uvicorn.Server):

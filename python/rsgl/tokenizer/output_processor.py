@@ -12,6 +12,7 @@ server's frontend on its event loop; both hand their consumers `Output`s through
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import time
@@ -56,10 +57,9 @@ class OutputQueue:
         if not self.threadsafe:
             self._aio.put_nowait(output)
         elif not self.aio_loop.is_closed():  # else the consumer is gone with its loop
-            try:
+            # RuntimeError: closed between the check and the call.
+            with contextlib.suppress(RuntimeError):
                 self.aio_loop.call_soon_threadsafe(self._aio.put_nowait, output)
-            except RuntimeError:
-                pass  # closed between the check and the call
 
     def qsize(self) -> int:
         """Outputs waiting for the consumer."""
