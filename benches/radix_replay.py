@@ -6,6 +6,10 @@ and the unaligned tail, unlock). Prints one JSON line; `matched_tokens` and `evi
 depend only on the semantics, so they equal SGLang's RadixCache figures on the same trace.
 
     python benches/radix_replay.py ../shared/traces/gsp.jsonl.gz --page-size 1
+    python benches/radix_replay.py ../shared/traces/gsp.jsonl.gz --pool-size 32768 --compare-default
+
+`--pool-size` shrinks the KV pool below the trace's own (eviction-heavy); `--compare-default`
+replays both pools in the same process, interleaved, and prints their ratio.
 """
 
 from __future__ import annotations
@@ -50,14 +54,12 @@ def replay(pool_tokens: int, requests: list[tuple[np.ndarray, int]], page_size: 
         tree.lock(node)
         need = key_len - matched
         new_slots = buffer[matched:key_len]
-        if pool.alloc(need, out=new_slots) is None:  # short: evict, then try again
-            freed = tree.evict(need - pool.available)
-            evicted_tokens += len(freed)
-            pool.free(freed)
-            if pool.alloc(need, out=new_slots) is None:
-                skipped += 1
-                tree.unlock(node)
-                continue
+        if need > pool.available:  # short: evict into the pool first
+            evicted_tokens += tree.evict(need - pool.available, pool=pool)
+        if pool.alloc(need, out=new_slots) is None:
+            skipped += 1
+            tree.unlock(node)
+            continue
         matched_tokens += matched
         present = tree.insert(insert_key, buffer[:aligned])
         if present > matched:
@@ -78,21 +80,42 @@ def replay(pool_tokens: int, requests: list[tuple[np.ndarray, int]], page_size: 
     }
 
 
+def median_run(runs: list[dict]) -> dict:
+    runs = sorted(runs, key=lambda r: r["seconds"])
+    return runs[len(runs) // 2]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("trace")
     parser.add_argument("--page-size", type=int, default=1)
+    parser.add_argument("--pool-size", type=int, help="KV pool tokens (default: the trace's)")
+    parser.add_argument(
+        "--compare-default", action="store_true", help="also replay the trace's own pool"
+    )
     parser.add_argument("--repeat", type=int, default=15, help="report the median of N replays")
     parser.add_argument(
         "--warmup", type=int, default=10, help="untimed replays first (allocator warm-up)"
     )
     args = parser.parse_args()
-    pool_tokens, requests = load(args.trace)
+    trace_pool, requests = load(args.trace)
+    pools = {"pool": args.pool_size or trace_pool}
+    if args.compare_default:
+        pools["default"] = trace_pool
     for _ in range(args.warmup):
-        replay(pool_tokens, requests, args.page_size)
-    runs = [replay(pool_tokens, requests, args.page_size) for _ in range(args.repeat)]
-    runs.sort(key=lambda r: r["seconds"])
-    print(json.dumps(runs[len(runs) // 2]))
+        for tokens in pools.values():
+            replay(tokens, requests, args.page_size)
+    runs: dict[str, list[dict]] = {name: [] for name in pools}
+    for _ in range(args.repeat):  # interleaved, so drift hits both alike
+        for name, tokens in pools.items():
+            runs[name].append(replay(tokens, requests, args.page_size))
+    result = dict(median_run(runs["pool"]), pool_tokens=pools["pool"])
+    if args.compare_default:
+        default = median_run(runs["default"])
+        result["default_pool_tokens"] = trace_pool
+        result["default_us_per_request"] = default["us_per_request"]
+        result["ratio_to_default"] = round(result["us_per_request"] / default["us_per_request"], 3)
+    print(json.dumps(result))
     return 0
 
 

@@ -4,7 +4,7 @@ Checked against the built module by `mypy.stubtest` in `make lint`.
 """
 
 from collections.abc import Sequence
-from typing import Any, Literal, TypeAlias, final
+from typing import Any, Literal, TypeAlias, final, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -226,8 +226,12 @@ class RadixTree:
         """Protects `node` and its ancestors from eviction."""
     def unlock(self, node: int) -> None:
         """Undoes one `lock`."""
-    def evict(self, num_tokens: int) -> _U32:
+    @overload
+    def evict(self, num_tokens: int, pool: None = None) -> _U32:
         """Evicts least recently used leaves until `num_tokens` are freed; their slots."""
+    @overload
+    def evict(self, num_tokens: int, pool: TokenPool) -> int:
+        """As above, the slots going straight back to `pool`; how many there were."""
     def live(self, node: int) -> None:
         """Raises ValueError unless `node` is a node of the tree."""
     @property

@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from plan_builder import Driver, Work, build_plan
+from plan_builder import Driver, Work
 
+from rsgl._core import Plan
 from rsgl.layers.attention.torch_native import TorchNativeAttnBackend
 from rsgl.model_executor.model_runner import ModelRunner
 
@@ -160,11 +161,7 @@ def test_future_map_placeholder_resolves_to_previous_sample(driver: Driver) -> N
 
 
 def test_idle_plan_applies_writes_and_computes_nothing(driver: Driver) -> None:
-    plan = build_plan([])
-    plan.forward_mode = "idle"
-    plan.write_rows = np.array([3], dtype=np.int64)
-    plan.write_cols = np.array([0], dtype=np.int64)
-    plan.write_slots = np.array([42], dtype=np.int64)
+    plan = Plan(forward_mode="idle", write_rows=[3], write_cols=[0], write_slots=[42])
     out = driver.runner.step(plan)
     assert out.next_token_ids.shape == (0,)
     assert int(driver.runner.req_to_token.req_to_token[3, 0]) == 42

@@ -113,6 +113,12 @@ impl TokenPool {
     /// are page-aligned); slots that are not the first of their page are covered by that first.
     pub fn free(&mut self, slots: &[Slot]) {
         let p = self.page_size;
+        if p == 1 {
+            // Token granularity: every slot is a page (a copy, not a loop).
+            debug_assert!(!slots.contains(&0), "slot 0 is the reserved padding page");
+            self.free_pages.extend_from_slice(slots);
+            return;
+        }
         for &slot in slots {
             if slot % p == 0 {
                 debug_assert!(slot >= p, "slot {slot} is in the reserved padding page");

@@ -868,11 +868,24 @@ impl PyRadixTree {
         Ok(())
     }
 
-    /// Evicts LRU leaves until `num_tokens` are freed; returns the freed slots.
-    fn evict(&mut self, py: Python<'_>, num_tokens: usize) -> Py<PyArray1<u32>> {
-        let mut freed = Vec::new();
-        self.inner.evict(num_tokens, &mut freed);
-        PyArray1::from_vec(py, freed).unbind()
+    /// Evicts LRU leaves until `num_tokens` are freed. Returns the freed slots, or with a
+    /// `pool`, hands them straight back to it and returns how many there were (no array).
+    #[pyo3(signature = (num_tokens, pool=None))]
+    fn evict<'py>(
+        &mut self,
+        py: Python<'py>,
+        num_tokens: usize,
+        pool: Option<PyRefMut<'py, PyTokenPool>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let Some(mut pool) = pool else {
+            let mut freed = Vec::new();
+            self.inner.evict(num_tokens, &mut freed);
+            return Ok(PyArray1::from_vec(py, freed).into_any());
+        };
+        self.scratch.clear();
+        let n = self.inner.evict(num_tokens, &mut self.scratch);
+        pool.inner.free(&self.scratch);
+        Ok(n.into_pyobject(py)?.into_any())
     }
 
     /// Raises ValueError unless `node` is a node of the tree (for callers holding ids).
