@@ -22,6 +22,7 @@ import torch
 from rsgl._core import Scheduler
 from rsgl.args import EngineArgs
 from rsgl.errors import InvalidRequest
+from rsgl.gc_tuning import freeze_startup_objects
 from rsgl.model_executor.kv_cache import KVCache, resolve_kv_cache_dtype
 from rsgl.model_executor.model_runner import ModelRunner
 from rsgl.model_executor.null_runner import NullRunner
@@ -179,6 +180,7 @@ class Engine:
             self.processor.process,
             overlap=not self.args.disable_overlap_schedule,
         )
+        freeze_startup_objects()
 
     # ------------------------------------------------------------------ requests
 
@@ -195,11 +197,15 @@ class Engine:
         params: list[tuple[SamplingParams, int]],
         rid: str | Sequence[str] | None,
         aio_loop: asyncio.AbstractEventLoop | None,
+        stream: bool,
     ) -> list[OutputQueue]:
-        """Queues validated requests in one loop command, so they are prefilled together."""
+        """Queues validated requests in one loop command, so they are prefilled together.
+        Without `stream`, each queue yields one merged output."""
         jobs = expand_requests(prompts, params, rid)
         records = [
-            RequestRecord(j.rid, j.prompt_ids, j.params, OutputQueue(aio_loop), j.group)
+            RequestRecord(
+                j.rid, j.prompt_ids, j.params, OutputQueue(aio_loop, stream=stream), j.group
+            )
             for j in jobs
         ]
 
@@ -274,7 +280,7 @@ class Engine:
         `n` outputs per prompt). With `stream=True` (one prompt) returns an iterator of
         chunks whose `text` fields concatenate to the full text."""
         ids, params, batch = self._normalize(prompt, sampling_params, input_ids, messages)
-        queues = self._start_requests(ids, params, rid, None)
+        queues = self._start_requests(ids, params, rid, None, stream)
         if stream:
             if len(queues) != 1:
                 raise ValueError("stream=True takes a single prompt with n=1")
@@ -299,7 +305,9 @@ class Engine:
         """Async `generate`: awaits the result, or (stream=True) returns an async iterator."""
         ids, params, batch = self._normalize(prompt, sampling_params, input_ids, messages)
         loop = asyncio.get_running_loop()
-        queues = await loop.run_in_executor(None, self._start_requests, ids, params, rid, loop)
+        queues = await loop.run_in_executor(
+            None, self._start_requests, ids, params, rid, loop, stream
+        )
         if stream:
             if len(queues) != 1:
                 raise ValueError("stream=True takes a single prompt with n=1")

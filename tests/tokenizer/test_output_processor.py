@@ -167,3 +167,24 @@ def test_a_duplicate_request_id_is_refused(tokenizer: Any):
     h.add("a", [])
     with pytest.raises(ValueError, match="already in use"):
         h.add("a", [])
+
+
+def test_a_consumer_that_falls_behind_gets_what_waits_merged():
+    q = OutputQueue()
+    for piece in ("a", "b", "c"):
+        q.put(Output(piece, [ord(piece)]))
+    it = iter(q)
+    assert next(it) == Output("abc", [97, 98, 99])
+    q.put(Output("d", [100]))
+    q.put(Output("", [], {"id": "x"}))
+    last = next(it)
+    assert (last.text, last.token_ids, last.meta) == ("d", [100], {"id": "x"})
+
+
+def test_a_whole_result_queue_wakes_its_consumer_once():
+    q = OutputQueue(stream=False)
+    q.put(Output("a", [1]))
+    q.put(Output("b", [2]))
+    assert q.qsize() == 0
+    q.put(Output("", [3], {"id": "x"}))
+    assert list(q) == [Output("ab", [1, 2, 3], {"id": "x"})]

@@ -59,6 +59,11 @@ class Frontend:
         stream_stall_timeout_s: float = 30.0,
     ) -> None:
         self.processor = OutputProcessor(tokenizer, on_stop=self._on_stop, observer=self)
+        # The per-token metrics' children, looked up once (`labels()` costs per call).
+        m = metrics.model
+        self._ttft = metrics.ttft.labels(m)
+        self._itl = metrics.itl.labels(m)
+        self._generated = metrics.generation_tokens.labels(m)
         self.info = info
         self.metrics = metrics
         self.commands = commands
@@ -226,6 +231,10 @@ class Frontend:
             event = ipc.event_decoder.decode(await self.events.recv())
             if isinstance(event, ipc.StepOutputs):
                 self.processor.process(event.updates)
+                # A recv whose message is already there does not yield: without this, a
+                # scheduler that steps faster than this loop processes would starve the
+                # responses that stream the outputs to clients.
+                await asyncio.sleep(0)
             elif isinstance(event, ipc.Stats):
                 self.stats = event.stats
                 self.metrics.observe_stats(event.stats)
@@ -239,12 +248,11 @@ class Frontend:
 
     def on_tokens(self, record: RequestRecord, count: int, now: float) -> None:
         """Latency metrics, and the stall clock of a stream whose client falls behind."""
-        m = self.metrics.model
         if record.last_token_at is None:
-            self.metrics.ttft.labels(m).observe(now - record.created)
+            self._ttft.observe(now - record.created)
         else:
-            self.metrics.itl.labels(m).observe(now - record.last_token_at)
-        self.metrics.generation_tokens.labels(m).inc(count)
+            self._itl.observe(now - record.last_token_at)
+        self._generated.inc(count)
         if record.stream_task is not None and record.queue.qsize() >= STREAM_BACKLOG_LIMIT:
             if record.stalled_since is None:
                 record.stalled_since = now

@@ -27,6 +27,7 @@ import zmq.asyncio
 from fastapi import FastAPI
 
 from rsgl.args import EngineArgs, ServerArgs, add_cli_args, from_cli
+from rsgl.gc_tuning import freeze_startup_objects
 from rsgl.server import ipc
 from rsgl.server.app import ServerState, StateHolder, create_app
 from rsgl.server.frontend import Frontend
@@ -137,6 +138,7 @@ def make_app(ns: argparse.Namespace, server: _Server | None = None) -> FastAPI:
             is_alive=proc.is_alive,
         )
         holder.state = state
+        freeze_startup_objects()
         if server is not None:
             server.frontend = frontend
             server.loop = asyncio.get_running_loop()

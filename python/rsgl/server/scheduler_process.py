@@ -15,6 +15,7 @@ import zmq
 
 from rsgl.args import EngineArgs
 from rsgl.engine import build_stack
+from rsgl.gc_tuning import freeze_startup_objects
 from rsgl.outputs import TokenUpdate
 from rsgl.sampling_params import SamplingParams
 from rsgl.scheduler.loop import SchedulerLoop
@@ -63,6 +64,7 @@ def run_scheduler_process(args: EngineArgs, command_addr: str, event_addr: str) 
         "eos_token_ids": list(stack.config.eos_token_ids),
         "scheduler_pid": os.getpid(),
     }
+    freeze_startup_objects()
     outbox.send(ipc.Ready(info))
     loop.start()
     stop = threading.Event()

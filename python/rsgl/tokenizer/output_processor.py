@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rsgl._core import FinishReason
-from rsgl.outputs import Output, TokenUpdate
+from rsgl.outputs import Output, TokenUpdate, merge
 from rsgl.sampling_params import SamplingParams
 from rsgl.tokenizer.detokenizer import ByteTable, Decoder, IncrementalDetokenizer, fast_decode
 
@@ -35,13 +35,26 @@ class OutputQueue:
     asyncio queue read by `__aiter__`, fed from that loop's own thread (`threadsafe=False`,
     the server's frontend) or from another thread (the Engine's loop thread feeding an
     `async_generate` caller).
+
+    A consumer that wants only the whole result says `stream=False`: the pieces are then
+    gathered here and the consumer wakes once, for one merged output, instead of once per
+    token (with hundreds of requests per step that saves most of the delivery cost, and
+    keeps millions of short-lived outputs away from the garbage collector).
     """
 
     def __init__(
-        self, aio_loop: asyncio.AbstractEventLoop | None = None, *, threadsafe: bool = True
+        self,
+        aio_loop: asyncio.AbstractEventLoop | None = None,
+        *,
+        threadsafe: bool = True,
+        stream: bool = True,
     ) -> None:
         self.aio_loop = aio_loop
         self.threadsafe = threadsafe
+        # Without `stream`: the text pieces and ids so far (strings and ints, which the
+        # garbage collector does not track).
+        self._texts: list[str] | None = None if stream else []
+        self._ids: list[int] = []
         self._sync: queue.SimpleQueue[Output] | None = None
         self._aio: asyncio.Queue[Output] | None = None
         if aio_loop is None:
@@ -50,6 +63,13 @@ class OutputQueue:
             self._aio = asyncio.Queue()
 
     def put(self, output: Output) -> None:
+        if self._texts is not None:
+            self._texts.append(output.text)
+            self._ids.extend(output.token_ids)
+            if output.meta is None:
+                return
+            output = Output("".join(self._texts), self._ids, output.meta)
+            self._texts, self._ids = [], []
         if self._sync is not None:
             self._sync.put(output)
             return
@@ -66,10 +86,12 @@ class OutputQueue:
         return self._sync.qsize() if self._sync is not None else self._aio.qsize()  # type: ignore[union-attr]
 
     def __iter__(self) -> Iterator[Output]:
-        """Outputs until the last one (the one with `meta`)."""
+        """Outputs until the last one (the one with `meta`). Whatever waits when the
+        consumer comes back is merged into one output: a consumer that falls behind gets
+        fewer, larger pieces instead of a growing backlog."""
         assert self._sync is not None, "an asyncio OutputQueue is read with `async for`"
         while True:
-            output = self._sync.get()
+            output = _merge_waiting(self._sync.get(), self._sync)
             yield output
             if output.meta is not None:
                 return
@@ -77,10 +99,22 @@ class OutputQueue:
     async def __aiter__(self) -> AsyncIterator[Output]:
         assert self._aio is not None, "a synchronous OutputQueue is read with `for`"
         while True:
-            output = await self._aio.get()
+            output = _merge_waiting(await self._aio.get(), self._aio)
             yield output
             if output.meta is not None:
                 return
+
+
+def _merge_waiting(
+    first: Output, waiting: queue.SimpleQueue[Output] | asyncio.Queue[Output]
+) -> Output:
+    """`first` and every output already waiting behind it, as one."""
+    if first.meta is not None or waiting.empty():
+        return first
+    parts = [first]
+    while parts[-1].meta is None and not waiting.empty():
+        parts.append(waiting.get_nowait())
+    return merge(parts)
 
 
 @dataclass(slots=True, eq=False)
