@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from rsgl.models.cache_dir import rsgl_cache_dir
+from rsgl.cache_dir import rsgl_cache_dir
 
 logger = logging.getLogger(__name__)
 

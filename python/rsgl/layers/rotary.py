@@ -10,11 +10,13 @@ permuted, so the output is the same.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from rsgl.models.config import RopeConfig
+if TYPE_CHECKING:
+    from rsgl.models.config import RopeConfig
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -13,8 +14,10 @@ from rsgl.layers.cpu_kernels import load_cpu_kernels
 from rsgl.layers.linear import PackedLinear, can_pack, pack_linears
 from rsgl.layers.norm import RMSNorm
 from rsgl.layers.rotary import RotaryEmbedding, apply_rotary, interleave_rotary_pairs
-from rsgl.model_executor.forward_batch import ForwardBatch
 from rsgl.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from rsgl.model_executor.forward_batch import ForwardBatch
 
 # HF checkpoint projection name -> (fused parameter, shard index).
 _FUSED_SHARDS: dict[str, tuple[str, int]] = {

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from rsgl.models.cache_dir import rsgl_cache_dir
+from rsgl.cache_dir import rsgl_cache_dir
 from rsgl.models.config import ModelConfig
 from rsgl.models.llama import LlamaForCausalLM
 from rsgl.models.registry import model_class

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from rsgl.layers.attention.base import AttentionBackend
 from rsgl.layers.attention.torch_native import TorchNativeAttnBackend
-from rsgl.model_executor.kv_cache import KVCache, ReqToTokenPool
+
+if TYPE_CHECKING:
+    from rsgl.model_executor.kv_cache import KVCache, ReqToTokenPool
 
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
     "torch_native": TorchNativeAttnBackend,

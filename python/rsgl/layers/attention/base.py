@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
 
-from rsgl.model_executor.forward_batch import ForwardBatch
-from rsgl.model_executor.kv_cache import KVCache, ReqToTokenPool
+if TYPE_CHECKING:
+    from rsgl.model_executor.forward_batch import ForwardBatch
+    from rsgl.model_executor.kv_cache import KVCache, ReqToTokenPool
 
 
 class AttentionBackend(ABC):

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from rsgl.layers.attention.base import AttentionBackend
 from rsgl.layers.cpu_kernels import CpuKernels, load_cpu_kernels
-from rsgl.model_executor.forward_batch import ForwardBatch
-from rsgl.model_executor.kv_cache import KVCache, ReqToTokenPool
+
+if TYPE_CHECKING:
+    from rsgl.model_executor.forward_batch import ForwardBatch
+    from rsgl.model_executor.kv_cache import KVCache, ReqToTokenPool
 
 
 @dataclass(slots=True)

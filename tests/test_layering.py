@@ -1,0 +1,75 @@
+"""Packages import only downward: `layers` uses neither `models` nor `model_executor`, and
+`models` uses `layers` but not `model_executor` (which uses both); the request types at the
+package root (what the frontend process loads) import none of them, nor torch. Imports under
+`if TYPE_CHECKING:` name types only and are allowed."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "python" / "rsgl"
+
+# package -> the packages of these three it must not import at run time.
+FORBIDDEN = {
+    "layers": {"models", "model_executor"},
+    "models": {"model_executor"},
+}
+TORCH_FREE = ["sampling_params", "args", "errors", "validation", "outputs", "cache_dir"]
+
+
+def runtime_imports(path: Path) -> set[str]:
+    """Modules `path` imports outside `if TYPE_CHECKING:` blocks (function bodies included)."""
+    tree = ast.parse(path.read_text())
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def subpackage(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "rsgl" else None
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_packages_import_only_downward(package: str):
+    bad = []
+    for path in sorted((PACKAGE / package).rglob("*.py")):
+        for module in runtime_imports(path):
+            if subpackage(module) in FORBIDDEN[package]:
+                bad.append(f"{path.relative_to(PACKAGE)} imports {module}")
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("name", TORCH_FREE)
+def test_request_types_import_no_model_code_and_no_torch(name: str):
+    imports = runtime_imports(PACKAGE / f"{name}.py")
+    heavy = {m for m in imports if m.split(".")[0] == "torch"}
+    heavy |= {m for m in imports if subpackage(m) in {"layers", "models", "model_executor"}}
+    assert not heavy, heavy
+
+
+def test_the_checker_sees_a_violation(tmp_path: Path):
+    f = tmp_path / "m.py"
+    f.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "import torch\n"
+        "if TYPE_CHECKING:\n    from rsgl.models.config import X\n"
+        "def g():\n    from rsgl.model_executor import y\n"
+    )
+    assert runtime_imports(f) == {"typing", "torch", "rsgl.model_executor"}
