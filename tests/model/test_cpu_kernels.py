@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,7 +15,7 @@ from plan_builder import Driver
 import rsgl.layers.norm
 import rsgl.models.llama
 from rsgl.layers.attention.torch_native import TorchNativeAttnBackend
-from rsgl.layers.cpu_kernels import CpuKernels, load_cpu_kernels
+from rsgl.layers.cpu_kernels import CSRC, CpuKernels, compile_kernels, load_cpu_kernels
 from rsgl.layers.rotary import apply_rotary
 from rsgl.model_executor.model_runner import ModelRunner
 
@@ -206,3 +208,19 @@ def test_loading_the_kernels_keeps_denormals() -> None:
         pytest.skip("no C compiler")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert float(out.stdout) == pytest.approx(1e-39, rel=1e-3)
+
+
+def test_a_compile_error_names_the_real_file_and_line(tmp_path: Path):
+    """The kernels are C files, not strings: a compiler error points at their lines."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler on this machine")
+    src = tmp_path / "src"
+    shutil.copytree(CSRC, src)
+    lines = (src / "elementwise.c").read_text().splitlines()
+    broken = len(lines) + 1
+    (src / "elementwise.c").write_text("\n".join([*lines, "this is not C;"]) + "\n")
+    errors = compile_kernels(src, tmp_path / "k.so", compiler)
+    assert errors is not None and f"elementwise.c:{broken}:" in errors
+    assert compile_kernels(CSRC, tmp_path / "ok.so", compiler) is None
+    assert (tmp_path / "ok.so").is_file()

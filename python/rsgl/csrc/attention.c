@@ -1,0 +1,45 @@
+/* The attention kernels, one instance per KV cache element type. */
+#include "common.h"
+
+/* float32 */
+#define KV_T float
+#define KV_SUFFIX f32
+#define KV_STORE(p, i, x) ((p)[i] = (x))
+#define KV_LOAD16(p) _mm512_loadu_ps(p)
+#define KV_AVX512 0
+#include "attention_impl.h"
+#undef KV_T
+#undef KV_SUFFIX
+#undef KV_STORE
+#undef KV_LOAD16
+#undef KV_AVX512
+
+/* float16: needs the compiler's _Float16 (GCC 12, clang 15 on x86-64) */
+#if defined(__FLT16_MAX__)
+#define KV_T _Float16
+#define KV_SUFFIX f16
+#define KV_STORE(p, i, x) ((p)[i] = (_Float16)(x))
+#define KV_LOAD16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p)))
+#define KV_AVX512 1
+#include "attention_impl.h"
+#undef KV_T
+#undef KV_SUFFIX
+#undef KV_STORE
+#undef KV_LOAD16
+#undef KV_AVX512
+#endif
+
+/* bfloat16 */
+#if 1
+#define KV_T uint16_t
+#define KV_SUFFIX bf16
+#define KV_STORE(p, i, x) bf16_store(p, i, x)
+#define KV_LOAD16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(p))), 16))
+#define KV_AVX512 1
+#include "attention_impl.h"
+#undef KV_T
+#undef KV_SUFFIX
+#undef KV_STORE
+#undef KV_LOAD16
+#undef KV_AVX512
+#endif
