@@ -1,0 +1,142 @@
+//! Decode and retraction: one token per running request, and making room for it by
+//! retracting requests when the pool runs short.
+
+use super::*;
+
+impl Scheduler {
+    /// Appends one request's decode token to the plan.
+    pub(super) fn plan_decode(&mut self, idx: usize, plan: &mut Plan, entries: &mut Vec<Entry>) {
+        let slot = self.alloc_one(idx);
+        let req = self.req(idx);
+        let pos = req.kv_len();
+        let row = req.req_slot.expect("running request holds a slot") as i64;
+        let input = if pos < req.fill_len() {
+            req.token_at(pos) as i64
+        } else {
+            FUTURE_TOKEN
+        };
+        plan.input_ids.push(input);
+        plan.positions.push(pos as i64);
+        plan.out_cache_loc.push(slot as i64);
+        plan.write_rows.push(row);
+        plan.write_cols.push(pos as i64);
+        plan.write_slots.push(slot as i64);
+        self.push_request_arrays(plan, idx, pos, 1, true);
+        let req = self.req_mut(idx);
+        req.kv_slots.push(slot);
+        req.pending_tokens += 1;
+        let req = self.req(idx);
+        entries.push(Entry {
+            idx,
+            sample: true,
+            kv_end: req.kv_len(),
+        });
+    }
+
+    /// New pages the decode of `reqs` needs (one per request sitting on a page boundary).
+    pub(super) fn decode_pages(&self, reqs: &[usize]) -> usize {
+        let p = self.cfg.page_size;
+        reqs.iter()
+            .filter(|&&i| self.req(i).kv_len().is_multiple_of(p))
+            .count()
+    }
+
+    /// Retracts decoding requests (fewest outputs first; ties: longest prompt) until the rest
+    /// can get their next slots, always keeping one. Returns the requests that decode.
+    pub(super) fn make_room_for_decode(
+        &mut self,
+        mut reqs: Vec<usize>,
+        plan: &mut Plan,
+    ) -> Vec<usize> {
+        let p = self.cfg.page_size;
+        let mut retracted = false;
+        while self.available_and_evictable() < self.decode_pages(&reqs) * p && reqs.len() > 1 {
+            let (pos, _) = reqs
+                .iter()
+                .enumerate()
+                .min_by_key(|&(_, &i)| {
+                    let r = self.req(i);
+                    (
+                        r.output.len(),
+                        std::cmp::Reverse(r.prompt.len()),
+                        std::cmp::Reverse(r.arrival),
+                    )
+                })
+                .expect("at least two requests");
+            let victim = reqs.remove(pos);
+            self.retract(victim, plan);
+            self.counters.retractions += 1;
+            retracted = true;
+        }
+        if !self.ensure_free(self.decode_pages(&reqs) * p) {
+            // A lone request that cannot get a page: the memory is held by a chunked prefill,
+            // by requests whose last token is in flight, or by finished requests whose release
+            // waits for an in-flight step. Requeue it; it fits once they are gone, because
+            // admission clamps every request to what an otherwise empty pool holds.
+            let idx = reqs.pop().expect("one request left");
+            self.retract(idx, plan);
+            self.counters.retractions += 1;
+            retracted = true;
+        }
+        if retracted && !reqs.is_empty() {
+            let (decoded, max_new) = reqs.iter().fold((0, 0), |(d, m), &i| {
+                let r = self.req(i);
+                (d + r.output.len(), m + r.limits.max_new_tokens)
+            });
+            self.ratio.after_retraction(decoded, max_new, reqs.len());
+        } else {
+            self.ratio.decay_step();
+        }
+        reqs
+    }
+
+    pub(super) fn live_requests(&self) -> usize {
+        self.by_rid.len()
+    }
+
+    /// Sends a running request back to the front of the waiting queue, freeing its KV without
+    /// caching it. Its outputs are kept; it re-prefills prompt + outputs later. Freeing while a
+    /// step that includes it is in flight is safe: steps execute in order, so any new owner
+    /// writes a slot after that step has finished with it.
+    /// Its request slot is kept until no in-flight step includes it (the executor still
+    /// writes per-slot state for it, such as the FutureMap entry).
+    pub(super) fn retract(&mut self, idx: usize, plan: &mut Plan) {
+        self.running.retain(|&i| i != idx);
+        self.release_memory(idx, false);
+        let req = self.req_mut(idx);
+        req.state = ReqState::Retracted;
+        plan.retracted.push(req.rid as i64);
+        self.waiting.insert(0, idx);
+    }
+
+    /// Frees a request's KV slots (caching them in the tree when `cache` is set), unlocks its
+    /// prefix and returns its request slot.
+    pub(super) fn release_memory(&mut self, idx: usize, cache: bool) {
+        let mut req = self.reqs[idx].take().expect("live request");
+        if cache {
+            let p = self.cfg.page_size;
+            let n = req.kv_len().min(req.fill_len());
+            let aligned = n / p * p;
+            let key = req.fill_ids();
+            let present = self.tree.insert(&key[..aligned], &req.kv_slots[..aligned]);
+            self.pool.free(&req.kv_slots[req.prefix_len..present]);
+            self.pool.free(&req.kv_slots[aligned..]);
+        } else {
+            self.pool.free(&req.kv_slots[req.prefix_len..]);
+        }
+        self.tree.unlock(req.last_node);
+        if req.inflight_steps == 0 {
+            if let Some(slot) = req.req_slot.take() {
+                self.req_slots.free(slot);
+            }
+        }
+        req.kv_slots.clear();
+        req.prefix_len = 0;
+        req.computed_len = 0;
+        req.last_node = ROOT;
+        self.reqs[idx] = Some(req);
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // commit, finish, abort
+}
