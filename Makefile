@@ -48,6 +48,10 @@ bench: setup
 	$(PY) benches/radix_replay.py ../shared/traces/gsp.jsonl.gz --page-size 1
 	$(PY) benches/radix_replay.py ../shared/traces/gsp.jsonl.gz --page-size 16
 	$(PY) benches/sched_overhead.py --running 256 --json
+	$(PY) benches/radix_replay.py ../shared/traces/gsp.jsonl.gz --pool-size 32768 --compare-default
+	$(PY) -m rsgl bench overhead --running 64 256 1024 --output-len 512 --json
+	$(PY) -m rsgl bench overhead --running 256 --null-step-ms 5 --json
+	$(PY) -m rsgl bench overhead --server --running 256 --json
 
 lint: setup
 	@$(PY) tools/py_deps.py dev | xargs -r sh -c 'echo "installing: $$*"; $(PY) -m pip install -q "$$@"' _

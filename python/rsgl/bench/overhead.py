@@ -99,7 +99,22 @@ def measure(
         result["decode_tokens_per_s"] = round(decode_rate, 1)
         result["ideal_tokens_per_s"] = round(ideal, 1)
         result["of_ideal"] = round(decode_rate / ideal, 4)
+        # What one sleep of that length takes here (timer slack and wake-up): the part of
+        # a step the emulated forward itself adds, which no overlap can hide.
+        sleep_us = _sleep_baseline_us(null_step_ms)
+        result["sleep_baseline_us"] = round(sleep_us, 1)
+        result["of_sleep_baseline"] = round(sleep_us / p50, 4)
     return result
+
+
+def _sleep_baseline_us(step_ms: float, repeats: int = 50) -> float:
+    """Median wall time of `time.sleep(step_ms)` on this machine, in µs."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        time.sleep(step_ms / 1000)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) * 1e6
 
 
 def _cpu_seconds(pid: int) -> float:
