@@ -29,6 +29,7 @@ def test_a_fixed_step_time_bounds_the_decode_rate():
     # Each decode step sleeps 4 ms: at most 8 tokens per 4 ms, whatever the overlap hides.
     assert r["decode_tokens_per_s"] <= r["ideal_tokens_per_s"] * 1.02
     assert 0 < r["of_ideal"] <= 1.02
+    assert 0 <= r["executor_idle_fraction"] < 1
 
 
 def test_the_served_run_streams_every_token():

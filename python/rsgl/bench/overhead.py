@@ -66,6 +66,18 @@ def measure(
         step_ends.append(time.perf_counter())
 
     engine._loop.emit = timed_emit
+    # When the executor runs each step: the gaps between steps are what the loop failed to
+    # hide (overlap hides the loop completely when the next step is always queued).
+    runs: list[tuple[float, float]] = []
+    step = engine.runner.step
+
+    def timed_step(plan: Any) -> Any:
+        t0 = time.perf_counter()
+        out = step(plan)
+        runs.append((t0, time.perf_counter()))
+        return out
+
+    engine.runner.step = timed_step  # type: ignore[method-assign]
     params = {"max_new_tokens": output_len, "ignore_eos": True, "temperature": 0.0}
     try:
         start = time.perf_counter()
@@ -91,6 +103,11 @@ def measure(
         "us_per_request_token": round(p50 / running, 3),
         "output_tokens_per_s": round(tokens / elapsed, 1),
     }
+    decode_runs = np.asarray(runs[prefill_steps:-3])
+    if len(decode_runs) > 1:
+        span = decode_runs[-1, 1] - decode_runs[0, 0]
+        gaps = decode_runs[1:, 0] - decode_runs[:-1, 1]
+        result["executor_idle_fraction"] = round(float(gaps.sum() / span), 4)
     if null_step_ms > 0:
         # The ideal: every step costs only its forward, `running` tokens per step.
         ideal = running / (null_step_ms / 1000)
