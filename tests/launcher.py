@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from rsgl.bench.serve_process import start_server
 
 
 def launch(
@@ -25,24 +16,10 @@ def launch(
 ) -> tuple[subprocess.Popen[bytes], str]:
     """Starts `rsgl serve` on a free port and waits until /health answers 200; `env` adds
     environment variables."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "rsgl", "serve", "--port", str(port), *flags]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
-        )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        assert proc.poll() is None, log_path.read_text()
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    pytest.fail("server did not start: " + log_path.read_text())
+    try:
+        return start_server(log_path, *flags, env=env)
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
 
 
 def stop(proc: subprocess.Popen[bytes], log_path: Path) -> str:

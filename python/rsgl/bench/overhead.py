@@ -22,8 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from rsgl.bench.cpu import cpu_description
+from rsgl.bench.serve_process import start_server
 from rsgl.engine import Engine
 
 # Prompt ids come from this range: ordinary text tokens of the embedded model's vocabulary.
@@ -140,37 +139,6 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _start_server(
-    running: int, null_step_ms: float, log: Path
-) -> tuple[subprocess.Popen[bytes], str]:
-    import socket
-
-    import httpx
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [
-        sys.executable, "-m", "rsgl", "serve", "--port", str(port), "--load-format", "null",
-        "--null-step-ms", str(null_step_ms), "--max-running-requests", str(running),
-    ]  # fmt: skip
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("rsgl serve exited:\n" + log.read_text())
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("rsgl serve did not start:\n" + log.read_text())
-
-
 async def _stream_all(url: str, prompts: list[list[int]], output_len: int) -> int:
     """Streams every prompt at once from its own client; the tokens received."""
     import aiohttp
@@ -202,7 +170,9 @@ def measure_server(
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(*PROMPT_ID_RANGE, size=input_len).tolist() for _ in range(running)]
     with tempfile.TemporaryDirectory() as tmp:
-        proc, url = _start_server(running, null_step_ms, Path(tmp) / "serve.log")
+        flags = ["--load-format", "null", "--null-step-ms", str(null_step_ms)]
+        flags += ["--max-running-requests", str(running)]
+        proc, url = start_server(Path(tmp) / "serve.log", *flags)
         try:
             asyncio.run(_stream_all(url, prompts[:8], 8))  # warm up connections and paths
             cpu0, start = _cpu_seconds(proc.pid), time.perf_counter()
