@@ -262,3 +262,54 @@ def test_cli_engine_flags_reach_the_engine_args() -> None:
     assert (args.kv_cache_dtype, args.page_size) == ("bf16", 16)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--kv-cache-dtype", "int4"])
+
+
+def test_sglang_info_load_and_tokenize_endpoints(server: str, client: openai.OpenAI) -> None:
+    """The endpoints sglang-router and SGLang's tools read, with SGLang's keys."""
+
+    def get(path: str) -> Any:
+        resp = httpx.get(f"{server}{path}", headers=AUTH, timeout=10)
+        assert resp.status_code == 200, (path, resp.text)
+        return resp.json()
+
+    info = get("/server_info")
+    assert get("/get_server_info").keys() == info.keys()
+    assert info["served_model_name"] == client.models.list().data[0].id
+    assert info["max_total_num_tokens"] == info["max_total_tokens"] > 0
+    assert info["chunked_prefill_size"] == 2048 and info["page_size"] == 1
+    assert info["internal_states"][0]["dp_rank"] == 0
+    assert info["version"] == get("/version")["version"]
+    model = get("/model_info")
+    assert model == get("/get_model_info")
+    assert model["is_generation"] is True
+    assert model["model_type"] == "llama" and model["architectures"] == ["LlamaForCausalLM"]
+    (load,) = get("/get_load")
+    assert set(load) == {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}
+    assert load["num_reqs"] >= load["num_waiting_reqs"] >= 0
+
+    def post(path: str, body: dict[str, Any], status: int = 200) -> Any:
+        resp = httpx.post(f"{server}{path}", json=body, headers=AUTH, timeout=10)
+        assert resp.status_code == status, (path, resp.text)
+        return resp.json()
+
+    one = post("/tokenize", {"prompt": "Hello world"})
+    assert one["count"] == len(one["tokens"]) > 0 and one["max_model_len"] == 8192
+    both = post("/v1/tokenize", {"prompt": ["Hello world", "Hi"]})
+    assert both["tokens"][0] == one["tokens"] and both["count"] == [len(t) for t in both["tokens"]]
+    chat = post("/tokenize", {"messages": [{"role": "user", "content": "Hi"}]})
+    assert chat["count"] > 3
+    assert post("/detokenize", {"tokens": one["tokens"]})["text"] == "Hello world"
+    assert post("/v1/detokenize", {"tokens": [one["tokens"], [2]]})["text"] == ["Hello world", ""]
+    assert post("/detokenize", {"tokens": [49152]}, 400)["error"]["param"] == "tokens"
+    assert post("/tokenize", {"prompt": "a", "messages": []}, 400)["error"]["param"] == "prompt"
+
+
+def test_a_stop_string_finish_still_reports_cached_tokens(client: openai.OpenAI) -> None:
+    prompt = "Here is a long story about a cat who lived in a lighthouse by the sea. " * 6
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    out = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=64, temperature=0, stop=[" ", "\n", ".", ","]
+    )
+    assert out.choices[0].finish_reason == "stop"
+    assert out.usage is not None and out.usage.prompt_tokens_details is not None
+    assert out.usage.prompt_tokens_details.cached_tokens > 0

@@ -134,6 +134,7 @@ def make_app(ns: argparse.Namespace, server: _Server | None = None) -> FastAPI:
             limits=args.request_limits(
                 int(info["vocab_size"]), int(info["context_length"]), int(info["max_prompt_len"])
             ),
+            args=server_args(ns),
             api_key=ns.api_key,
             is_alive=proc.is_alive,
         )

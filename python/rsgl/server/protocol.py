@@ -208,6 +208,27 @@ class AbortBody(BaseModel):
     rid: str
 
 
+class TokenizeRequest(BaseModel):
+    """SGLang's /tokenize body: one of `prompt` (a string or several) and `messages`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | list[str] | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    """SGLang's /detokenize body: token ids, or several lists of them."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int] | list[list[int]]
+    skip_special_tokens: bool = True
+
+
 class ApiError(Exception):
     """An error with an HTTP status, rendered OpenAI-style."""
 

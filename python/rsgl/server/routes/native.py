@@ -1,15 +1,29 @@
-"""SGLang's native endpoints: /generate, /abort_request, /flush_cache, /get_server_info."""
+"""SGLang's native endpoints: /generate, /abort_request, /flush_cache, the info and load
+endpoints sglang-router reads (/server_info, /model_info, /get_load, /version), /tokenize
+and /detokenize."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
+import rsgl
 from rsgl.server.frontend import EngineUnavailable
-from rsgl.server.protocol import AbortBody, ApiError, GenerateRequest, bad_request
+from rsgl.server.protocol import (
+    AbortBody,
+    ApiError,
+    DetokenizeRequest,
+    GenerateRequest,
+    TokenizeRequest,
+    bad_request,
+)
 from rsgl.server.routes.common import (
     ServerState,
     collect,
@@ -20,7 +34,7 @@ from rsgl.server.routes.common import (
     start,
     stream_response,
 )
-from rsgl.validation import tokenize_prompt
+from rsgl.validation import RequestLimits, check_text, check_token_ids, tokenize_prompt
 
 router = APIRouter()
 State = Annotated[ServerState, Depends(server_state)]
@@ -59,6 +73,110 @@ async def flush_cache(st: State) -> JSONResponse:
     return JSONResponse({"success": True, "message": "cache flushed"})
 
 
+@router.get("/server_info")
 @router.get("/get_server_info")
 async def server_info(st: State) -> dict[str, Any]:
-    return dict(st.frontend.info, model_name=st.model_name, stats=st.frontend.stats)
+    """SGLang's keys (what sglang-router and dashboards read), then rsgl's own."""
+    info, stats, args = st.frontend.info, st.frontend.stats, st.args
+    return dict(
+        info,
+        model_path=args.model_path or info["model_dir"],
+        served_model_name=st.model_name,
+        tokenizer_path=args.tokenizer_path or info["model_dir"],
+        version=rsgl.__version__,
+        max_total_num_tokens=info["max_total_tokens"],
+        max_running_requests=args.max_running_requests,
+        chunked_prefill_size=args.chunked_prefill_size,
+        page_size=args.page_size,
+        context_length=info["context_length"],
+        internal_states=[dict(stats, dp_rank=0)],
+        model_name=st.model_name,
+        stats=stats,
+    )
+
+
+@router.get("/model_info")
+@router.get("/get_model_info")
+async def model_info(st: State) -> dict[str, Any]:
+    config = _model_config(Path(st.frontend.info["model_dir"]))
+    return {
+        "model_path": st.args.model_path or st.frontend.info["model_dir"],
+        "served_model_name": st.model_name,
+        "tokenizer_path": st.args.tokenizer_path or st.frontend.info["model_dir"],
+        "is_generation": True,
+        "model_type": config.get("model_type"),
+        "architectures": config.get("architectures"),
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+    }
+
+
+@router.get("/get_load")
+async def get_load(st: State) -> list[dict[str, Any]]:
+    """Per data-parallel rank (one here): requests in the engine, waiting ones, KV tokens
+    in use; from the scheduler's last statistics (sent every second)."""
+    s = st.frontend.stats
+    used = int(s.get("capacity", 0)) - int(s.get("available", 0)) - int(s.get("evictable", 0))
+    running, waiting = int(s.get("running", 0)), int(s.get("waiting", 0))
+    return [
+        {
+            "dp_rank": 0,
+            "num_reqs": running + waiting,
+            "num_waiting_reqs": waiting,
+            "num_tokens": max(0, used),
+        }
+    ]
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": rsgl.__version__}
+
+
+@router.post("/tokenize")
+@router.post("/v1/tokenize")
+async def tokenize(req: TokenizeRequest, st: State) -> dict[str, Any]:
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("give exactly one of prompt or messages", "prompt")
+    if req.messages is not None:
+        tokens: Any = tokenize_prompt(st.tokenizer, _no_limits(st), messages=req.messages)
+        count: Any = len(tokens)
+    else:
+        prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt or [])
+        lists = [_encode(st, p, req.add_special_tokens) for p in prompts]
+        tokens = lists[0] if isinstance(req.prompt, str) else lists
+        count = len(tokens) if isinstance(req.prompt, str) else [len(t) for t in lists]
+    return {"tokens": tokens, "count": count, "max_model_len": st.limits.context_length}
+
+
+@router.post("/detokenize")
+@router.post("/v1/detokenize")
+async def detokenize(req: DetokenizeRequest, st: State) -> dict[str, Any]:
+    nested = bool(req.tokens) and isinstance(req.tokens[0], list)
+    lists: list[list[int]] = req.tokens if nested else [req.tokens]  # type: ignore[assignment,list-item]
+    for ids in lists:
+        check_token_ids(ids, st.limits, "tokens")
+    texts = [
+        str(st.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)) for ids in lists
+    ]
+    return {"text": texts if nested else texts[0]}
+
+
+def _encode(st: ServerState, text: str, add_special_tokens: bool) -> list[int]:
+    ids = st.tokenizer.encode(check_text(text, "prompt"), add_special_tokens=add_special_tokens)
+    return [int(t) for t in ids]
+
+
+def _no_limits(st: ServerState) -> RequestLimits:
+    """The server's limits without the prompt-length ones (tokenizing is not generating)."""
+    big = 1 << 62
+    return dataclasses.replace(st.limits, context_length=big, max_prompt_len=big)
+
+
+@functools.cache
+def _model_config(model_dir: Path) -> dict[str, Any]:
+    try:
+        config: dict[str, Any] = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config

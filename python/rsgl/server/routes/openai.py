@@ -116,6 +116,7 @@ async def models(st: State) -> dict[str, Any]:
         "object": "model",
         "created": st.created,
         "owned_by": "rsgl",
+        "root": st.args.model_path or st.frontend.info.get("model_dir"),
         "max_model_len": st.limits.context_length,
     }
     return {"object": "list", "data": [model]}
