@@ -313,3 +313,45 @@ def test_a_stop_string_finish_still_reports_cached_tokens(client: openai.OpenAI)
     assert out.choices[0].finish_reason == "stop"
     assert out.usage is not None and out.usage.prompt_tokens_details is not None
     assert out.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_generate_takes_sglangs_request_fields(server: str) -> None:
+    """What sglang-router and sglang.bench_serving send: bookkeeping fields are accepted,
+    unknown ones ignored, logprobs come in SGLang's layout, unsupported asks are 400s."""
+
+    def generate(extra: dict[str, Any], status: int = 200) -> Any:
+        body = {"text": "The sky is", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+        resp = httpx.post(f"{server}/generate", json=body | extra, headers=AUTH, timeout=60)
+        assert resp.status_code == status, resp.text
+        return resp.json()
+
+    router_fields = {
+        "model": MODEL,
+        "return_text_in_logprobs": False,
+        "log_metrics": True,
+        "return_hidden_states": False,
+        "background": False,
+        "no_logs": False,
+        "return_bytes": False,
+        "return_entropy": False,
+        "lora_path": None,
+        "logprob_start_len": -1,
+        "return_routed_experts": False,
+        "some_future_field": {"x": 1},
+    }
+    plain = generate(router_fields)
+    assert plain["meta_info"]["completion_tokens"] == 4
+    out = generate({"return_logprob": True, "top_logprobs_num": 2, "return_text_in_logprobs": True})
+    meta = out["meta_info"]
+    assert out["output_ids"] == plain["output_ids"]
+    assert [t[1] for t in meta["output_token_logprobs"]] == out["output_ids"]
+    assert all(t[0] <= 0 and isinstance(t[2], str) for t in meta["output_token_logprobs"])
+    assert [len(top) for top in meta["output_top_logprobs"]] == [2, 2, 2, 2]
+    assert meta["input_token_logprobs"] == []
+    for field, value in [
+        ("lora_path", "adapter"),
+        ("image_data", "http://x/cat.png"),
+        ("return_hidden_states", True),
+        ("logprob_start_len", 0),
+    ]:
+        assert generate({field: value}, 400)["error"]["param"] == field

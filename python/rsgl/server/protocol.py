@@ -191,9 +191,12 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class GenerateRequest(BaseModel):
-    """POST /generate (SGLang native)."""
+    """POST /generate: SGLang's `GenerateReqInput`. Fields rsgl does not know are ignored (as
+    SGLang's own models do); the ones naming a capability rsgl lacks are refused when set
+    (`UNSUPPORTED_GENERATE_FIELDS`); bookkeeping flags (`log_metrics`, `no_logs`,
+    `background`, ...) are accepted and change nothing here."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
     text: str | None = None
     input_ids: list[int] | None = bounded(None, "input_ids")
@@ -202,6 +205,38 @@ class GenerateRequest(BaseModel):
     )
     stream: bool = False
     rid: str | None = None
+    model: str | None = None
+    return_logprob: bool | None = None
+    # SGLang's -1 (or None): no input-token logprobs; rsgl reports output tokens only.
+    logprob_start_len: int | None = None
+    top_logprobs_num: int | None = None
+    token_ids_logprob: list[int] | None = None
+    return_text_in_logprobs: bool = False
+    priority: int | None = None
+    log_metrics: bool = True
+    no_logs: bool = False
+    background: bool = False
+
+
+# Fields of SGLang's GenerateReqInput asking for what rsgl cannot do: a 400 naming the field
+# when set to anything but null / false.
+UNSUPPORTED_GENERATE_FIELDS = (
+    "lora_path",
+    "lora_id",
+    "image_data",
+    "video_data",
+    "audio_data",
+    "input_embeds",
+    "return_hidden_states",
+    "return_routed_experts",
+    "return_indexer_topk",
+    "return_entropy",
+    "return_bytes",
+    "custom_logit_processor",
+    "session_params",
+    "bootstrap_host",
+    "bootstrap_room",
+)
 
 
 class AbortBody(BaseModel):

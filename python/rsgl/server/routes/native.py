@@ -7,7 +7,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -15,8 +16,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 import rsgl
+from rsgl.outputs import Output
 from rsgl.server.frontend import EngineUnavailable
 from rsgl.server.protocol import (
+    UNSUPPORTED_GENERATE_FIELDS,
     AbortBody,
     ApiError,
     DetokenizeRequest,
@@ -36,25 +39,76 @@ from rsgl.server.routes.common import (
 )
 from rsgl.validation import RequestLimits, check_text, check_token_ids, tokenize_prompt
 
+logger = logging.getLogger("rsgl.server")
+
 router = APIRouter()
 State = Annotated[ServerState, Depends(server_state)]
 
 
 @router.post("/generate", response_model=None)
 async def generate(req: GenerateRequest, request: Request, st: State) -> Any:
+    extra = req.model_extra or {}
+    for name in UNSUPPORTED_GENERATE_FIELDS:
+        if extra.get(name) not in (None, False, [], {}):
+            raise bad_request(f"{name} is not supported by this server", name)
+    if extra:
+        logger.debug("/generate: ignoring unknown fields %s", sorted(extra))
+    if req.logprob_start_len not in (None, -1):
+        raise bad_request(
+            "input-token logprobs are not supported: logprob_start_len must be -1",
+            "logprob_start_len",
+        )
     ids = tokenize_prompt(st.tokenizer, st.limits, text=req.text, input_ids=req.input_ids)
-    params, n = sampling(st, req.sampling_params or {}, ids, {})
-    choices = await start(st, [(ids, params)], n, req.rid, 0)
+    raw = dict(req.sampling_params or {})
+    if req.return_logprob:
+        raw["return_logprob"] = True
+        if req.top_logprobs_num:
+            raw["top_logprobs_num"] = req.top_logprobs_num
+        if req.token_ids_logprob:
+            raw["token_ids_logprob"] = req.token_ids_logprob
+    params, n = sampling(st, raw, ids, {})
+    choices = await start(st, [(ids, params)], n, req.rid, req.priority or 0)
+    text_of = _token_text(st) if req.return_text_in_logprobs else None
+
+    def native(u: Output) -> dict[str, Any]:
+        return _sglang_logprobs(u.to_dict(), text_of) if req.return_logprob else u.to_dict()
+
     if req.stream:
 
         async def body() -> AsyncIterator[str]:
             async for _, u in merged(st, choices):
-                yield sse(u.to_dict())
+                yield sse(native(u))
 
         return stream_response(body())
     results = await collect(st, request, choices)
-    outs = [u.to_dict() for _, u in results]
+    outs = [native(u) for _, u in results]
     return outs if n > 1 else outs[0]
+
+
+def _token_text(st: ServerState) -> Callable[[int], str]:
+    return lambda t: str(st.tokenizer.decode([t]))
+
+
+def _sglang_logprobs(out: dict[str, Any], text_of: Callable[[int], str] | None) -> dict[str, Any]:
+    """meta_info's logprobs in SGLang's layout: `[logprob, token_id, text or null]` triples
+    (`output_token_logprobs`), per position lists of them (`output_top_logprobs`,
+    `output_token_ids_logprobs`), and no input-token logprobs."""
+    meta = out.get("meta_info")
+    if meta is None or "output_token_logprobs" not in meta:
+        return out
+
+    def triple(e: dict[str, Any]) -> list[Any]:
+        return [e["logprob"], e["token_id"], text_of(e["token_id"]) if text_of else None]
+
+    entries = meta["output_token_logprobs"]
+    meta = dict(meta, input_token_logprobs=[], input_top_logprobs=[])
+    meta["output_token_logprobs"] = [triple(e) for e in entries]
+    meta["output_top_logprobs"] = [[triple(t) for t in e.get("top_logprobs", [])] for e in entries]
+    if any("token_ids_logprob" in e for e in entries):
+        meta["output_token_ids_logprobs"] = [
+            [triple(t) for t in e.get("token_ids_logprob", [])] for e in entries
+        ]
+    return dict(out, meta_info=meta)
 
 
 @router.post("/abort_request")
