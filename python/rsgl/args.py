@@ -175,6 +175,9 @@ class ServerArgs(EngineArgs):
     graceful_shutdown_timeout: float = option(
         30.0, "on SIGTERM, how long in-flight requests may take to finish"
     )
+    incremental_streaming_output: bool = option(
+        False, "stream /generate text and ids as deltas instead of SGLang's text-so-far"
+    )
 
     def engine_args(self) -> EngineArgs:
         """The engine's part (what the scheduler process needs)."""

@@ -121,7 +121,13 @@ def test_native_generate_and_control_endpoints(server: str) -> None:
         "POST", f"{server}/generate", json=dict(body, stream=True), headers=AUTH, timeout=60
     ) as resp:
         events = [json.loads(line[6:]) for line in resp.iter_lines() if line[6:].startswith("{")]
-    assert "".join(e["text"] for e in events) == r["text"]
+    # SGLang's stream: the text and ids so far, and meta_info on every chunk.
+    assert events[-1]["text"] == r["text"] and events[-1]["output_ids"] == r["output_ids"]
+    counts = [e["meta_info"]["completion_tokens"] for e in events]
+    assert counts == sorted(counts) and counts[-1] == len(r["output_ids"])
+    assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
+    assert events[-1]["meta_info"]["finish_reason"] == r["meta_info"]["finish_reason"]
+    assert all(b["text"].startswith(a["text"]) for a, b in zip(events, events[1:], strict=False))
     assert httpx.get(f"{server}/health_generate", timeout=60).status_code == 200
     wait_idle(server)
     flush = httpx.post(f"{server}/flush_cache", headers=AUTH, timeout=30)
@@ -355,3 +361,17 @@ def test_generate_takes_sglangs_request_fields(server: str) -> None:
         ("logprob_start_len", 0),
     ]:
         assert generate({field: value}, 400)["error"]["param"] == field
+
+
+def test_incremental_streaming_output_streams_deltas(tmp_path: Path) -> None:
+    log_path = tmp_path / "server.log"
+    proc, url = launch(log_path, "--incremental-streaming-output", "--load-format", "null")
+    try:
+        body = {"input_ids": [1000, 2000, 3000], "sampling_params": {"max_new_tokens": 8}}
+        whole = httpx.post(f"{url}/generate", json=body, timeout=60).json()
+        with httpx.stream("POST", f"{url}/generate", json=dict(body, stream=True)) as resp:
+            events = [json.loads(x[6:]) for x in resp.iter_lines() if x[6:].startswith("{")]
+        assert "".join(e["text"] for e in events) == whole["text"]
+        assert [t for e in events for t in e["output_ids"]] == whole["output_ids"]
+    finally:
+        stop(proc, log_path)

@@ -153,7 +153,8 @@ async def _stream_all(url: str, prompts: list[list[int]], output_len: int) -> in
             async for raw in response.content:
                 line = raw.strip()
                 if line.startswith(b"data:") and line != b"data: [DONE]":
-                    received += len(json.loads(line[5:])["output_ids"])
+                    # SGLang's chunks carry the ids so far: the last one has them all.
+                    received = len(json.loads(line[5:])["output_ids"])
         return received
 
     connector = aiohttp.TCPConnector(limit=len(prompts))

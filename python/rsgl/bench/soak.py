@@ -371,9 +371,10 @@ async def send_stream(
             if error := _event_error(event):
                 return Outcome("failed", f"error event in stream: {error[:300]}")
             if spec.api == "generate":
-                if event.get("meta_info") is not None:
-                    # Native events carry no choice index; choices finish one event each.
-                    reasons[len(reasons)] = _native_reason(event)
+                meta = event.get("meta_info") or {}
+                if meta.get("finish_reason") is not None:
+                    # Every native chunk has meta_info; its finish_reason is set once.
+                    reasons[int(event.get("index", len(reasons)))] = _native_reason(event)
             else:
                 for choice in event.get("choices") or []:
                     if choice.get("finish_reason") is not None:

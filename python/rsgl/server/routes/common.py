@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from rsgl.args import EngineArgs
+from rsgl.args import ServerArgs
 from rsgl.errors import InvalidRequest
 from rsgl.outputs import Output, merge
 from rsgl.sampling_params import SamplingParams
@@ -48,8 +48,8 @@ class ServerState:
     tokenizer: Any
     model_name: str
     limits: RequestLimits
-    # The options it runs with (rsgl.args.ServerArgs; an EngineArgs is enough).
-    args: EngineArgs = field(default_factory=EngineArgs)
+    # The options it runs with.
+    args: ServerArgs = field(default_factory=ServerArgs)
     api_key: str | None = None
     is_alive: Callable[[], bool] = lambda: True
     created: int = field(default_factory=lambda: int(time.time()))

@@ -37,6 +37,7 @@ from rsgl.server.routes.common import (
     start,
     stream_response,
 )
+from rsgl.tokenizer.output_processor import RequestRecord
 from rsgl.validation import RequestLimits, check_text, check_token_ids, tokenize_prompt
 
 logger = logging.getLogger("rsgl.server")
@@ -74,15 +75,42 @@ async def generate(req: GenerateRequest, request: Request, st: State) -> Any:
         return _sglang_logprobs(u.to_dict(), text_of) if req.return_logprob else u.to_dict()
 
     if req.stream:
+        incremental = st.args.incremental_streaming_output
 
         async def body() -> AsyncIterator[str]:
-            async for _, u in merged(st, choices):
-                yield sse(native(u))
+            texts: dict[int, str] = {}
+            ids: dict[int, list[int]] = {}
+            async for c, u in merged(st, choices):
+                # SGLang's chunks: the text and ids so far (deltas with
+                # --incremental-streaming-output), and a meta_info on every chunk.
+                texts[c.index] = texts.get(c.index, "") + u.text
+                ids[c.index] = ids.get(c.index, []) + u.token_ids
+                text = u.text if incremental else texts[c.index]
+                token_ids = u.token_ids if incremental else ids[c.index]
+                meta = u.meta if u.meta is not None else _running_meta(c.record)
+                chunk = native(Output(text, token_ids, meta))
+                if len(choices) > 1:
+                    chunk["index"] = c.index
+                yield sse(chunk)
 
         return stream_response(body())
     results = await collect(st, request, choices)
     outs = [native(u) for _, u in results]
     return outs if n > 1 else outs[0]
+
+
+def _running_meta(record: RequestRecord) -> dict[str, Any]:
+    """meta_info of a request still generating (finish_reason null), as SGLang streams it."""
+    meta: dict[str, Any] = {
+        "id": record.rid,
+        "finish_reason": None,
+        "prompt_tokens": len(record.prompt_ids),
+        "completion_tokens": record.completion_tokens,
+        "cached_tokens": record.cached_tokens,
+    }
+    if record.params.return_logprob:
+        meta["output_token_logprobs"] = list(record.logprobs)
+    return meta
 
 
 def _token_text(st: ServerState) -> Callable[[int], str]:
