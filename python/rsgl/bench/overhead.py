@@ -11,7 +11,8 @@ reads steps, ids become text (stop strings checked) and reach the caller, who me
 standing in for an accelerator's). Step times are the intervals between step ends while
 every request decodes (prefill steps and the last few are left out).
 
-`--server` starts `rsgl serve --load-format null` and streams `running` native `/generate`
+`--server` starts `rsgl serve --load-format null --incremental-streaming-output` and
+streams `running` native `/generate`
 requests at once from as many concurrent clients on loopback: it reports streamed tokens
 per second and the frontend process's CPU seconds per 1,000 streamed tokens.
 """
@@ -153,8 +154,7 @@ async def _stream_all(url: str, prompts: list[list[int]], output_len: int) -> in
             async for raw in response.content:
                 line = raw.strip()
                 if line.startswith(b"data:") and line != b"data: [DONE]":
-                    # SGLang's chunks carry the ids so far: the last one has them all.
-                    received = len(json.loads(line[5:])["output_ids"])
+                    received += len(json.loads(line[5:])["output_ids"])
         return received
 
     connector = aiohttp.TCPConnector(limit=len(prompts))
@@ -171,7 +171,9 @@ def measure_server(
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(*PROMPT_ID_RANGE, size=input_len).tolist() for _ in range(running)]
     with tempfile.TemporaryDirectory() as tmp:
+        # Deltas: SGLang's default stream resends the text and ids so far (O(n^2) bytes).
         flags = ["--load-format", "null", "--null-step-ms", str(null_step_ms)]
+        flags += ["--incremental-streaming-output"]
         flags += ["--max-running-requests", str(running)]
         proc, url = start_server(Path(tmp) / "serve.log", *flags)
         try:
