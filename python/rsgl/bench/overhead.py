@@ -12,9 +12,9 @@ standing in for an accelerator's). Step times are the intervals between step end
 every request decodes (prefill steps and the last few are left out).
 
 `--server` starts `rsgl serve --load-format null --incremental-streaming-output` and
-streams `running` native `/generate`
-requests at once from as many concurrent clients on loopback: it reports streamed tokens
-per second and the frontend process's CPU seconds per 1,000 streamed tokens.
+streams `running` native `/generate` requests at once from as many concurrent clients on
+loopback: it reports streamed tokens per second and the frontend process's CPU seconds per
+1,000 streamed tokens.
 """
 
 from __future__ import annotations
