@@ -99,6 +99,9 @@ class EngineArgs:
     max_logprobs: int = option(20, "largest (top_)logprobs a request may ask for")
     max_stop_strings: int = option(64, "most stop strings per request")
     max_stop_string_len: int = option(1024, "most characters per stop string")
+    stream_interval: int = option(
+        1, "tokens per streamed chunk (a request's last chunk comes when it ends)"
+    )
 
     def __post_init__(self) -> None:
         check_kv_cache_dtype(self.kv_cache_dtype)
@@ -111,7 +114,7 @@ class EngineArgs:
             raise ValueError(f"null_step_ms must be finite and >= 0, got {self.null_step_ms}")
         if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:
             raise ValueError(f"mem_fraction must be in (0, 1), got {self.mem_fraction}")
-        limits = ("max_n", "max_stop_strings", "max_stop_string_len")
+        limits = ("max_n", "max_stop_strings", "max_stop_string_len", "stream_interval")
         for name in ("max_running_requests", "max_prefill_tokens", "page_size", *limits):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -177,6 +180,12 @@ class ServerArgs(EngineArgs):
     )
     incremental_streaming_output: bool = option(
         False, "stream /generate text and ids as deltas instead of SGLang's text-so-far"
+    )
+    enable_metrics_compat: str | None = option(
+        None,
+        "also export /metrics under another engine's names (sglang: SGLang 0.5's "
+        "`sglang:*` series and labels, for its dashboards)",
+        choices=["sglang"],
     )
 
     def engine_args(self) -> EngineArgs:

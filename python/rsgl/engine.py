@@ -204,7 +204,11 @@ class Engine:
         jobs = expand_requests(prompts, params, rid)
         records = [
             RequestRecord(
-                j.rid, j.prompt_ids, j.params, OutputQueue(aio_loop, stream=stream), j.group
+                j.rid,
+                j.prompt_ids,
+                j.params,
+                OutputQueue(aio_loop, stream=stream, interval=self.args.stream_interval),
+                j.group,
             )
             for j in jobs
         ]

@@ -49,12 +49,14 @@ decode_hook = _decode_finish
 
 @dataclass(slots=True)
 class Output:
-    """What a caller gets for one request: new text and token ids, and `meta` (SGLang's
-    meta_info: id, finish_reason, token counts, latencies) once it is over."""
+    """What a caller gets for one request: new text and token ids, the log-probability
+    entries of those ids when the request asked for them, and `meta` (SGLang's meta_info: id,
+    finish_reason, token counts, latencies) once it is over."""
 
     text: str
     token_ids: list[int]
     meta: dict[str, Any] | None = None
+    logprobs: list[dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """`{"text", "output_ids"[, "meta_info"]}`, as SGLang's generate answers."""
@@ -65,12 +67,16 @@ class Output:
 
 
 def merge(outputs: Iterable[Output]) -> Output:
-    """A request's outputs as one: the texts and ids concatenated, the last meta."""
+    """A request's outputs as one: the texts, ids and logprobs concatenated, the last meta."""
     text: list[str] = []
     ids: list[int] = []
+    logprobs: list[dict[str, Any]] | None = None
     meta = None
     for o in outputs:
         text.append(o.text)
         ids.extend(o.token_ids)
+        if o.logprobs is not None:
+            logprobs = [] if logprobs is None else logprobs
+            logprobs.extend(o.logprobs)
         meta = o.meta
-    return Output("".join(text), ids, meta)
+    return Output("".join(text), ids, meta, logprobs)

@@ -56,6 +56,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # SGLang's and HF's decode option. Fast (Rust `tokenizers`) tokenizers, the only kind
+    # rsgl loads, decode the same either way, as HF's own decode does; kept so that SGLang
+    # requests carrying it are served.
+    spaces_between_special_tokens: bool = True
     # Keep the matched stop string (or the stop token's text) at the end of the text.
     no_stop_trim: bool = False
     seed: int | None = None

@@ -214,7 +214,15 @@ def _join_text_parts(parts: list[Any], where: str) -> str:
 
 # Accepted JSON types of each SamplingParams field (bool is never an int here).
 _INT_FIELDS = frozenset({"max_new_tokens", "top_k", "min_new_tokens", "top_logprobs_num"})
-_BOOL_FIELDS = frozenset({"ignore_eos", "skip_special_tokens", "return_logprob", "no_stop_trim"})
+_BOOL_FIELDS = frozenset(
+    {
+        "ignore_eos",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "return_logprob",
+        "no_stop_trim",
+    }
+)
 _PARAM_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 # SGLang's aliases in sampling_params dicts.
 _ALIASES = {"logprobs": "return_logprob", "top_logprobs": "top_logprobs_num"}

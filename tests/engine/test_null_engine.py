@@ -91,3 +91,20 @@ def test_every_option_gives_the_baselines_outputs(name: str, baseline: list[dict
         assert stats["retractions"] > 0, "the pool was not small enough to retract"
     if name != "retraction":
         assert stats["cached_tokens"] > 0, "the second round never met the prefix cache"
+
+
+def test_a_stream_interval_streams_n_tokens_per_chunk() -> None:
+    prompt = list(range(1000, 1010))
+    with Engine(load_format="null", stream_interval=4) as engine:
+        whole = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 10})
+        chunks = list(
+            engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 10}, stream=True)
+        )
+        engine.check_integrity()
+    sizes = [len(c["output_ids"]) for c in chunks]
+    # Multiples of 4 (two intervals when the reader is late), the rest with the finish.
+    assert all(s % 4 == 0 for s in sizes[:-1]) and sum(sizes) == 10
+    assert [t for c in chunks for t in c["output_ids"]] == whole["output_ids"]
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    with pytest.raises(ValueError, match="stream_interval"):
+        Engine(load_format="null", stream_interval=0)

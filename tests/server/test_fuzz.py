@@ -58,6 +58,14 @@ def nullable(schema: dict[str, Any]) -> dict[str, Any]:
 # server's can only make the fuzzing shallower, never fail it.
 TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": VOCAB_SIZE - 1}
 TOKEN_IDS = {"items": TOKEN_ID}
+ID_LIST = {"type": "array", "items": TOKEN_ID, "minItems": 1}
+
+
+def once_or_per_prompt(schema: dict[str, Any]) -> dict[str, Any]:
+    """A /generate field given once or as a list with one entry per prompt of a batch."""
+    return {"anyOf": [schema, {"type": "array", "items": schema, "minItems": 1}, {"type": "null"}]}
+
+
 LENGTH = {"maximum": CONTEXT_LENGTH}
 RUNTIME_LIMITS: dict[str, dict[str, Any]] = {
     "model": {"anyOf": [{"const": MODEL}, {"type": "null"}]},
@@ -68,9 +76,11 @@ RUNTIME_LIMITS: dict[str, dict[str, Any]] = {
     "min_tokens": LENGTH,
     "min_new_tokens": LENGTH,
     "stop_token_ids": TOKEN_IDS,
+    # Flat lists: /generate's top-level field may also hold one list per prompt, a form
+    # this narrowing leaves out (the name is shared with sampling_params' flat field).
     "token_ids_logprob": TOKEN_IDS,
-    "input_ids": {**TOKEN_IDS, "minItems": 1},
-    "text": {"minLength": 1},
+    "input_ids": once_or_per_prompt(ID_LIST),
+    "text": once_or_per_prompt({"type": "string", "minLength": 1}),
     # Four digits stay inside the vocabulary.
     "logit_bias": {"propertyNames": {"pattern": "^(0|[1-9][0-9]{0,3})$"}},
     "logprobs": {"maximum": MAX_LOGPROBS},
@@ -92,13 +102,15 @@ RUNTIME_LIMITS: dict[str, dict[str, Any]] = {
 
 
 def narrow(properties: dict[str, Any]) -> None:
-    """Merges RUNTIME_LIMITS into the property schemas of an object, nested ones included."""
+    """Merges RUNTIME_LIMITS into the property schemas of an object, nested ones (objects
+    among a field's options, or the items of a list of them) included."""
     for name, schema in properties.items():
         if name in RUNTIME_LIMITS:
             schema.update(RUNTIME_LIMITS[name])
         for option in schema.get("anyOf", []):
-            if "properties" in option:
-                narrow(option["properties"])
+            for sub in (option, option.get("items", {})):
+                if "properties" in sub:
+                    narrow(sub["properties"])
 
 
 # Generation lengths per operation: the budgets (the first one filled in when all are open),
@@ -171,19 +183,22 @@ def bound_generation(case: schemathesis.Case[Any]) -> None:
     lengths = LENGTH_FIELDS.get(case.operation.path)
     if lengths is None or not isinstance(case.body, dict):
         return
-    target: Any = case.body
+    targets: list[Any] = [case.body]
     if case.operation.path == "/generate":
         if case.body.get("sampling_params") is None:
             case.body["sampling_params"] = {}
-        target = case.body["sampling_params"]
-        if not isinstance(target, dict):
-            return
+        params = case.body["sampling_params"]
+        # One object for the batch, or one per prompt.
+        targets = params if isinstance(params, list) else [params]
     budgets, minimum = lengths
-    for name in (*budgets, minimum):
-        if name in target:
-            target[name] = capped(target[name])
-    if all(target.get(name) is None for name in budgets):
-        target[budgets[0]] = GENERATION_CAP
+    for target in targets:
+        if not isinstance(target, dict):
+            continue
+        for name in (*budgets, minimum):
+            if name in target:
+                target[name] = capped(target[name])
+        if all(target.get(name) is None for name in budgets):
+            target[budgets[0]] = GENERATION_CAP
 
 
 def openai_error_problem(body: Any) -> str | None:

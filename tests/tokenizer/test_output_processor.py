@@ -188,3 +188,43 @@ def test_a_whole_result_queue_wakes_its_consumer_once():
     assert q.qsize() == 0
     q.put(Output("", [3], {"id": "x"}))
     assert list(q) == [Output("ab", [1, 2, 3], {"id": "x"})]
+
+
+def test_an_interval_queue_wakes_its_consumer_every_n_tokens():
+    q = OutputQueue(interval=3)
+    it = iter(q)
+    entries = [{"token_id": t, "logprob": -t / 10} for t in range(1, 9)]
+    chunks = []
+    for t in range(1, 9):
+        meta = {"id": "x"} if t == 8 else None
+        q.put(Output(chr(96 + t), [t], meta, entries[t - 1 : t]))
+        if q.qsize():  # the consumer keeps up: it takes each chunk as it comes
+            chunks.append(next(it))
+    assert [c.token_ids for c in chunks] == [[1, 2, 3], [4, 5, 6], [7, 8]]
+    assert [c.text for c in chunks] == ["abc", "def", "gh"]
+    assert [c.logprobs for c in chunks] == [entries[:3], entries[3:6], entries[6:]]
+    assert [c.meta for c in chunks] == [None, None, {"id": "x"}]
+    with pytest.raises(ValueError, match="interval"):
+        OutputQueue(interval=0)
+
+
+def test_each_output_carries_the_logprobs_of_its_own_tokens(tokenizer: Any):
+    h = Harness(tokenizer)
+    h.add("a", [], stop=[" four"], return_logprob=True)
+    h.add("b", [])  # did not ask: no entries
+    ids = tokenizer.encode("one two three four five")
+    for t in ids:
+        entry = [{"token_id": t, "logprob": -1.0}]
+        h.processor.process(
+            [TokenUpdate("a", [t], logprobs=entry), TokenUpdate("b", [t], logprobs=entry)]
+        )
+    chunks = list(h.queues["a"])
+    # Every output's entries are those of its token ids, up to the stop string's last token.
+    for c in chunks:
+        assert [e["token_id"] for e in c.logprobs or []] == c.token_ids
+    kept = [t for c in chunks for t in c.token_ids]
+    assert chunks[-1].meta is not None
+    assert [e["token_id"] for e in chunks[-1].meta["output_token_logprobs"]] == kept
+    assert len(kept) == chunks[-1].meta["completion_tokens"] < len(ids)
+    h.processor.process([TokenUpdate("b", [], finish=FinishReason.max_length(len(ids)))])
+    assert all(c.logprobs is None for c in h.queues["b"])

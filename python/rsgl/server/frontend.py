@@ -57,13 +57,9 @@ class Frontend:
         log_requests: bool = False,
         request_timeout_s: float | None = None,
         stream_stall_timeout_s: float = 30.0,
+        stream_interval: int = 1,
     ) -> None:
         self.processor = OutputProcessor(tokenizer, on_stop=self._on_stop, observer=self)
-        # The per-token metrics' children, looked up once (`labels()` costs per call).
-        m = metrics.model
-        self._ttft = metrics.ttft.labels(m)
-        self._itl = metrics.itl.labels(m)
-        self._generated = metrics.generation_tokens.labels(m)
         self.info = info
         self.metrics = metrics
         self.commands = commands
@@ -72,6 +68,7 @@ class Frontend:
         self.log_requests = log_requests
         self.request_timeout_s = request_timeout_s
         self.stream_stall_timeout_s = stream_stall_timeout_s
+        self.stream_interval = stream_interval
         self._groups: dict[str, set[str]] = {}  # client request id -> pending choice ids
         self.stats: dict[str, Any] = {}
         self.healthy = True
@@ -96,9 +93,12 @@ class Frontend:
         params: SamplingParams,
         priority: int = 0,
         group: str | None = None,
+        stream: bool = True,
     ) -> RequestRecord:
         """Sends a request; raises EngineUnavailable when unhealthy or the queue is full.
-        `group` is the client's request id when `rid` is one choice of several."""
+        `group` is the client's request id when `rid` is one choice of several. A request
+        that does not `stream` gets one output, at its end; one that does gets one per
+        `stream_interval` tokens."""
         if not self.healthy:
             raise EngineUnavailable("the engine is not healthy")
         if self.draining:
@@ -112,8 +112,13 @@ class Frontend:
         wire = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
         # Encoded before the request is registered: if that fails, nothing is left behind.
         message = ipc.encoder.encode(ipc.AddRequest(rid, prompt_ids, wire, priority))
-        queue = OutputQueue(asyncio.get_running_loop(), threadsafe=False)
-        record = RequestRecord(rid, prompt_ids, params, queue, group or rid)
+        queue = OutputQueue(
+            asyncio.get_running_loop(),
+            threadsafe=False,
+            stream=stream,
+            interval=self.stream_interval,
+        )
+        record = RequestRecord(rid, prompt_ids, params, queue, group or rid, stream=stream)
         if self.request_timeout_s is not None:
             record.deadline = record.created + self.request_timeout_s
         self.processor.add(record)  # ValueError if the id is in use
@@ -248,11 +253,13 @@ class Frontend:
 
     def on_tokens(self, record: RequestRecord, count: int, now: float) -> None:
         """Latency metrics, and the stall clock of a stream whose client falls behind."""
-        if record.last_token_at is None:
-            self._ttft.observe(now - record.created)
-        else:
-            self._itl.observe(now - record.last_token_at)
-        self._generated.inc(count)
+        last = record.last_token_at
+        self.metrics.observe_tokens(
+            now - record.created if last is None else None,
+            None if last is None else now - last,
+            count,
+            streaming=record.stream,
+        )
         if record.stream_task is not None and record.queue.qsize() >= STREAM_BACKLOG_LIMIT:
             if record.stalled_since is None:
                 record.stalled_since = now
@@ -266,7 +273,7 @@ class Frontend:
             if not members:
                 del self._groups[record.group]
         aborted = meta["finish_reason"]["type"] == "abort"
-        self.metrics.observe_finish(meta, aborted)
+        self.metrics.observe_finish(meta, aborted, streaming=record.stream)
         if self.log_requests:
             logger.info("finish %s: %s", record.rid, meta)
 

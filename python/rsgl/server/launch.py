@@ -115,7 +115,7 @@ def make_app(ns: argparse.Namespace, server: _Server | None = None) -> FastAPI:
         logger.info("scheduler process %d started; loading the model", proc.pid)
         info = await _wait_ready(events, proc)
         tokenizer = load_tokenizer(ns.tokenizer_path or info["model_dir"])
-        metrics = ServerMetrics(model_name)
+        metrics = ServerMetrics(model_name, ns.enable_metrics_compat)
         frontend = Frontend(
             tokenizer,
             info,
@@ -126,6 +126,7 @@ def make_app(ns: argparse.Namespace, server: _Server | None = None) -> FastAPI:
             log_requests=ns.log_requests,
             request_timeout_s=ns.request_timeout_s,
             stream_stall_timeout_s=ns.stream_stall_timeout_s,
+            stream_interval=ns.stream_interval,
         )
         state = ServerState(
             frontend=frontend,

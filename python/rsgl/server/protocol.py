@@ -56,6 +56,14 @@ def bounded(default: Any, name: str, **kwargs: Any) -> Any:
     return Field(default, json_schema_extra=BOUNDS[name], **kwargs)
 
 
+def batchable(schema: dict[str, Any]) -> list[dict[str, Any]]:
+    """`schema` (an array's or an object's) and a non-empty list of it: a /generate field
+    given once or once per prompt of a batch."""
+    kind = "object" if "properties" in schema else "array"
+    one = {"type": kind, **schema}
+    return [one, {"type": "array", "items": one, "minItems": 1}]
+
+
 def _json_type(annotation: Any) -> dict[str, Any]:
     """The JSON Schema of a SamplingParams field type."""
     origin = typing.get_origin(annotation)
@@ -198,19 +206,29 @@ class GenerateRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    text: str | None = None
-    input_ids: list[int] | None = bounded(None, "input_ids")
-    sampling_params: dict[str, Any] | None = Field(
-        None, json_schema_extra={"anyOf": [native_sampling_schema(), {"type": "null"}]}
+    # One prompt, or a batch: a list of texts or of token-id lists.
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = Field(
+        None, json_schema_extra={"anyOf": [*batchable(BOUNDS["input_ids"]), {"type": "null"}]}
+    )
+    # One object for every prompt, or one per prompt.
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = Field(
+        None,
+        json_schema_extra={"anyOf": [*batchable(native_sampling_schema()), {"type": "null"}]},
     )
     stream: bool = False
-    rid: str | None = None
+    # One id (the choices of a batch or of n > 1 are `<rid>-<i>`) or one per prompt.
+    rid: str | list[str] | None = None
     model: str | None = None
-    return_logprob: bool | None = None
+    # The logprob fields: once for the batch, or one entry per prompt.
+    return_logprob: bool | list[bool] | None = None
     # SGLang's -1 (or None): no input-token logprobs; rsgl reports output tokens only.
-    logprob_start_len: int | None = None
-    top_logprobs_num: int | None = None
-    token_ids_logprob: list[int] | None = None
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+    token_ids_logprob: list[int] | list[list[int]] | None = Field(
+        None,
+        json_schema_extra={"anyOf": [*batchable(BOUNDS["token_ids_logprob"]), {"type": "null"}]},
+    )
     return_text_in_logprobs: bool = False
     priority: int | None = None
     log_metrics: bool = True

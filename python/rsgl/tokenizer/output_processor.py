@@ -39,7 +39,9 @@ class OutputQueue:
     A consumer that wants only the whole result says `stream=False`: the pieces are then
     gathered here and the consumer wakes once, for one merged output, instead of once per
     token (with hundreds of requests per step that saves most of the delivery cost, and
-    keeps millions of short-lived outputs away from the garbage collector).
+    keeps millions of short-lived outputs away from the garbage collector). A streaming
+    consumer may likewise ask to wake once per `interval` tokens (SGLang's
+    `--stream-interval`); the last output always comes at once.
     """
 
     def __init__(
@@ -48,13 +50,19 @@ class OutputQueue:
         *,
         threadsafe: bool = True,
         stream: bool = True,
+        interval: int = 1,
     ) -> None:
+        if interval < 1:
+            raise ValueError(f"interval must be >= 1, got {interval}")
         self.aio_loop = aio_loop
         self.threadsafe = threadsafe
-        # Without `stream`: the text pieces and ids so far (strings and ints, which the
-        # garbage collector does not track).
-        self._texts: list[str] | None = None if stream else []
+        # Tokens to gather before the consumer wakes; None: only at the end.
+        self.interval: int | None = interval if stream else None
+        # The pieces gathered so far (strings and ints, which the garbage collector does not
+        # track), when outputs are gathered at all.
+        self._texts: list[str] | None = None if self.interval == 1 else []
         self._ids: list[int] = []
+        self._logprobs: list[dict[str, Any]] | None = None
         self._sync: queue.SimpleQueue[Output] | None = None
         self._aio: asyncio.Queue[Output] | None = None
         if aio_loop is None:
@@ -66,10 +74,13 @@ class OutputQueue:
         if self._texts is not None:
             self._texts.append(output.text)
             self._ids.extend(output.token_ids)
-            if output.meta is None:
+            if output.logprobs is not None:
+                self._logprobs = [] if self._logprobs is None else self._logprobs
+                self._logprobs.extend(output.logprobs)
+            if output.meta is None and (self.interval is None or len(self._ids) < self.interval):
                 return
-            output = Output("".join(self._texts), self._ids, output.meta)
-            self._texts, self._ids = [], []
+            output = Output("".join(self._texts), self._ids, output.meta, self._logprobs)
+            self._texts, self._ids, self._logprobs = [], [], None
         if self._sync is not None:
             self._sync.put(output)
             return
@@ -127,6 +138,8 @@ class RequestRecord:
     queue: OutputQueue
     # The caller's request id: the choices of one request (n > 1, a batch) share it.
     group: str = ""
+    # Whether its consumer streams the outputs (the metrics tell the two kinds apart).
+    stream: bool = True
     created: float = field(default_factory=time.perf_counter)
     last_token_at: float | None = None
     completion_tokens: int = 0
@@ -207,8 +220,6 @@ class OutputProcessor:
             record.cached_tokens = update.cached_tokens
         if update.queue_time is not None and record.queue_time is None:
             record.queue_time = update.queue_time
-        if update.logprobs and record.params.return_logprob:
-            record.logprobs.extend(update.logprobs)
         if ids and self.observer is not None:
             self.observer.on_tokens(record, len(ids), now)
         if ids:
@@ -225,16 +236,29 @@ class OutputProcessor:
             matched = detok.matched_stop
             if matched is not None:
                 kept = ids[: i + 1]
-                record.completion_tokens += len(kept)
+                output = Output("".join(parts), kept, logprobs=self._account(record, update, i + 1))
                 self.on_stop(record.rid, matched)
-                self._complete(record, Output("".join(parts), kept), FinishReason.stop_str(matched))
+                self._complete(record, output, FinishReason.stop_str(matched))
                 return
-        record.completion_tokens += len(ids)
+        output = Output("".join(parts), ids, logprobs=self._account(record, update, len(ids)))
         if finish is None:
-            record.queue.put(Output("".join(parts), ids))
+            record.queue.put(output)
             return
-        parts.append(self._rest_of_text(record))
-        self._complete(record, Output("".join(parts), ids), finish)
+        output.text += self._rest_of_text(record)
+        self._complete(record, output, finish)
+
+    @staticmethod
+    def _account(
+        record: RequestRecord, update: TokenUpdate, kept: int
+    ) -> list[dict[str, Any]] | None:
+        """Counts the first `kept` tokens of `update` as generated, and returns their
+        log-probability entries (also kept for meta_info) when the request asked for them."""
+        record.completion_tokens += kept
+        if not record.params.return_logprob:
+            return None
+        entries = (update.logprobs or [])[:kept]
+        record.logprobs.extend(entries)
+        return entries
 
     def end(self, rid: str, reason: FinishReason, *, text: str | None = None) -> bool:
         """Ends a request here (an abort, a timeout, a failure): its consumer gets the text

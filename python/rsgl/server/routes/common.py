@@ -110,8 +110,10 @@ async def start(
     st: ServerState,
     jobs: list[tuple[list[int], SamplingParams]],
     n: int,
-    rid: str | None,
+    rid: str | list[str] | None,
     priority: int,
+    *,
+    stream: bool,
 ) -> list[Choice]:
     """Submits `n` copies of every validated (prompt, params) job."""
     check_int64(priority, "priority")
@@ -120,7 +122,7 @@ async def start(
     try:
         for job in expanded:
             record = await st.frontend.submit(
-                job.rid, job.prompt_ids, job.params, priority, job.group
+                job.rid, job.prompt_ids, job.params, priority, job.group, stream
             )
             choices.append(Choice(job.index, job.prompt_index, record))
     except EngineUnavailable as exc:

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 import rsgl
-from rsgl.outputs import Output
+from rsgl.outputs import Output, merge
 from rsgl.server.frontend import EngineUnavailable
 from rsgl.server.protocol import (
     UNSUPPORTED_GENERATE_FIELDS,
@@ -28,6 +28,7 @@ from rsgl.server.protocol import (
     bad_request,
 )
 from rsgl.server.routes.common import (
+    Choice,
     ServerState,
     collect,
     merged,
@@ -48,68 +49,127 @@ State = Annotated[ServerState, Depends(server_state)]
 
 @router.post("/generate", response_model=None)
 async def generate(req: GenerateRequest, request: Request, st: State) -> Any:
-    extra = req.model_extra or {}
-    for name in UNSUPPORTED_GENERATE_FIELDS:
-        if extra.get(name) not in (None, False, [], {}):
-            raise bad_request(f"{name} is not supported by this server", name)
-    if extra:
-        logger.debug("/generate: ignoring unknown fields %s", sorted(extra))
-    if req.logprob_start_len not in (None, -1):
-        raise bad_request(
-            "input-token logprobs are not supported: logprob_start_len must be -1",
-            "logprob_start_len",
-        )
-    ids = tokenize_prompt(st.tokenizer, st.limits, text=req.text, input_ids=req.input_ids)
-    raw = dict(req.sampling_params or {})
-    if req.return_logprob:
-        raw["return_logprob"] = True
-        if req.top_logprobs_num:
-            raw["top_logprobs_num"] = req.top_logprobs_num
-        if req.token_ids_logprob:
-            raw["token_ids_logprob"] = req.token_ids_logprob
-    params, n = sampling(st, raw, ids, {})
-    choices = await start(st, [(ids, params)], n, req.rid, req.priority or 0)
+    """SGLang's generate: one prompt (`text` or `input_ids`) or a batch of them, `n` copies
+    of each; a batch answers (and streams, with an `index`) its choices prompt by prompt."""
+    _refuse_unsupported(req)
+    prompts, single = _prompts(st, req)
+    count = len(prompts)
+    raws = _per_prompt(req.sampling_params, count, "sampling_params")
+    want_logprob = _per_prompt(req.return_logprob, count, "return_logprob")
+    top = _per_prompt(req.top_logprobs_num, count, "top_logprobs_num")
+    ids_logprob = req.token_ids_logprob
+    nested = bool(ids_logprob) and isinstance(ids_logprob[0], list)  # type: ignore[index]
+    ids_logprobs = _per_prompt(ids_logprob if nested else None, count, "token_ids_logprob")
+    for start_len in _per_prompt(req.logprob_start_len, count, "logprob_start_len"):
+        if start_len not in (None, -1):
+            raise bad_request(
+                "input-token logprobs are not supported: logprob_start_len must be -1",
+                "logprob_start_len",
+            )
+    jobs = []
+    copies = set()
+    for i, ids in enumerate(prompts):
+        raw = dict(raws[i] or {})
+        if want_logprob[i]:
+            raw["return_logprob"] = True
+            if top[i]:
+                raw["top_logprobs_num"] = top[i]
+            token_ids = ids_logprobs[i] if nested else ids_logprob
+            if token_ids:
+                raw["token_ids_logprob"] = token_ids
+        params, n = sampling(st, raw, ids, {})
+        jobs.append((ids, params))
+        copies.add(n)
+    if len(copies) > 1:
+        raise bad_request("n must be the same for every prompt of a batch", "sampling_params")
+    n = copies.pop()
+    choices = await start(st, jobs, n, req.rid, req.priority or 0, stream=req.stream)
     text_of = _token_text(st) if req.return_text_in_logprobs else None
 
-    def native(u: Output) -> dict[str, Any]:
-        return _sglang_logprobs(u.to_dict(), text_of) if req.return_logprob else u.to_dict()
+    def native(c: Choice, u: Output) -> dict[str, Any]:
+        out = u.to_dict()
+        return _sglang_logprobs(out, text_of) if c.record.params.return_logprob else out
 
     if req.stream:
         incremental = st.args.incremental_streaming_output
 
         async def body() -> AsyncIterator[str]:
-            texts: dict[int, str] = {}
-            ids: dict[int, list[int]] = {}
+            so_far = {c.index: Output("", []) for c in choices}
+            counts = dict.fromkeys(so_far, 0)
             async for c, u in merged(st, choices):
-                # SGLang's chunks: the text and ids so far (deltas with
+                # SGLang's chunks: the text, ids and logprobs so far (deltas with
                 # --incremental-streaming-output), and a meta_info on every chunk.
-                texts[c.index] = texts.get(c.index, "") + u.text
-                ids[c.index] = ids.get(c.index, []) + u.token_ids
-                text = u.text if incremental else texts[c.index]
-                token_ids = u.token_ids if incremental else ids[c.index]
-                meta = u.meta if u.meta is not None else _running_meta(c.record)
-                chunk = native(Output(text, token_ids, meta))
+                counts[c.index] += len(u.token_ids)
+                shown = u
+                if not incremental:
+                    shown = so_far[c.index] = merge([so_far[c.index], u])
+                meta = u.meta
+                if meta is None:
+                    meta = _running_meta(c.record, counts[c.index], shown.logprobs)
+                elif incremental and shown.logprobs is not None:
+                    meta = dict(meta, output_token_logprobs=shown.logprobs)
+                chunk = native(c, Output(shown.text, shown.token_ids, meta))
                 if len(choices) > 1:
                     chunk["index"] = c.index
                 yield sse(chunk)
 
         return stream_response(body())
     results = await collect(st, request, choices)
-    outs = [native(u) for _, u in results]
-    return outs if n > 1 else outs[0]
+    outs = [native(c, u) for c, u in results]
+    return outs[0] if single and n == 1 else outs
 
 
-def _running_meta(record: RequestRecord) -> dict[str, Any]:
+def _refuse_unsupported(req: GenerateRequest) -> None:
+    extra = req.model_extra or {}
+    for name in UNSUPPORTED_GENERATE_FIELDS:
+        if extra.get(name) not in (None, False, [], {}):
+            raise bad_request(f"{name} is not supported by this server", name)
+    if extra:
+        logger.debug("/generate: ignoring unknown fields %s", sorted(extra))
+
+
+def _prompts(st: ServerState, req: GenerateRequest) -> tuple[list[list[int]], bool]:
+    """The prompts' token ids, and whether the request named a single prompt (SGLang's
+    `text: str` or a flat `input_ids`) rather than a batch."""
+    if (req.text is None) == (req.input_ids is None):
+        raise bad_request("give exactly one of text and input_ids", "text")
+    if isinstance(req.text, str):
+        return [tokenize_prompt(st.tokenizer, st.limits, text=req.text)], True
+    ids = req.input_ids
+    if ids is not None and not (ids and isinstance(ids[0], list)):
+        return [tokenize_prompt(st.tokenizer, st.limits, input_ids=ids)], True
+    batch: list[Any] = list(req.text if req.text is not None else ids or [])
+    if not batch:
+        raise bad_request("the batch is empty", "text" if req.text is not None else "input_ids")
+    if req.text is not None:
+        return [tokenize_prompt(st.tokenizer, st.limits, text=t) for t in batch], False
+    return [tokenize_prompt(st.tokenizer, st.limits, input_ids=x) for x in batch], False
+
+
+def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
+    """A field given once for the whole batch or as a list with one entry per prompt."""
+    if not isinstance(value, list):
+        return [value] * count
+    if len(value) != count:
+        raise bad_request(
+            f"{name} must have one entry per prompt ({count}), got {len(value)}", name
+        )
+    return value
+
+
+def _running_meta(
+    record: RequestRecord, completion_tokens: int, logprobs: list[dict[str, Any]] | None
+) -> dict[str, Any]:
     """meta_info of a request still generating (finish_reason null), as SGLang streams it."""
     meta: dict[str, Any] = {
         "id": record.rid,
         "finish_reason": None,
         "prompt_tokens": len(record.prompt_ids),
-        "completion_tokens": record.completion_tokens,
+        "completion_tokens": completion_tokens,
         "cached_tokens": record.cached_tokens,
     }
     if record.params.return_logprob:
-        meta["output_token_logprobs"] = list(record.logprobs)
+        meta["output_token_logprobs"] = logprobs or []
     return meta
 
 

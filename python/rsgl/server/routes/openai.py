@@ -68,9 +68,9 @@ def _token_text(st: ServerState, token: int) -> str:
 
 
 def completion_logprobs(
-    st: ServerState, meta: dict[str, Any], offset: int
+    st: ServerState, entries: list[dict[str, Any]] | None, offset: int
 ) -> dict[str, Any] | None:
-    entries = meta.get("output_token_logprobs")
+    """OpenAI's completion logprobs of these tokens, the first one at text `offset`."""
     if entries is None:
         return None
     tokens = [_token_text(st, e["token_id"]) for e in entries]
@@ -89,8 +89,8 @@ def completion_logprobs(
     }
 
 
-def chat_logprobs(st: ServerState, meta: dict[str, Any]) -> dict[str, Any] | None:
-    entries = meta.get("output_token_logprobs")
+def chat_logprobs(st: ServerState, entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """OpenAI's chat logprobs of these tokens."""
     if entries is None:
         return None
 
@@ -107,6 +107,31 @@ def chat_logprobs(st: ServerState, meta: dict[str, Any]) -> dict[str, Any] | Non
             for e in entries
         ]
     }
+
+
+class PendingLogprobs:
+    """A stream's log-probability entries not sent yet, per choice. Each chunk carries those
+    of the tokens that arrived since the previous chunk; a token whose text is held back
+    (a possible stop string) rides with the next chunk that has text."""
+
+    def __init__(self) -> None:
+        self.entries: dict[int, list[dict[str, Any]]] = {}
+        # Completions: where the next token's text starts in the choice's text.
+        self.offset: dict[int, int] = {}
+
+    def add(self, index: int, entries: list[dict[str, Any]] | None) -> None:
+        if entries is not None:
+            self.entries.setdefault(index, []).extend(entries)
+
+    def take(self, index: int) -> list[dict[str, Any]] | None:
+        return self.entries.pop(index, None)
+
+    def completion(self, st: ServerState, index: int) -> dict[str, Any] | None:
+        """The completion logprobs of what waits for choice `index`, offsets moving on."""
+        out = completion_logprobs(st, self.take(index), self.offset.get(index, 0))
+        if out is not None and out["tokens"]:
+            self.offset[index] = out["text_offset"][-1] + len(out["tokens"][-1])
+        return out
 
 
 @router.get("/v1/models")
@@ -140,7 +165,7 @@ async def completions(req: CompletionRequest, request: Request, st: State) -> An
     if req.logprobs is not None:
         raw.update(logprobs=True, top_logprobs=req.logprobs)
     jobs = [(x, sampling(st, raw, x, COMPLETION_PARAMS)[0]) for x in ids]
-    choices = await start(st, jobs, req.n, req.rid, req.priority)
+    choices = await start(st, jobs, req.n, req.rid, req.priority, stream=req.stream)
     if req.echo:
         for c in choices:
             x = prompts[c.prompt_index]
@@ -157,20 +182,22 @@ async def completions(req: CompletionRequest, request: Request, st: State) -> An
         async def body() -> AsyncIterator[str]:
             metas: dict[int, dict[str, Any]] = {}
             started: set[int] = set()
+            logprobs = PendingLogprobs()
             async for c, u in merged(st, choices):
                 text = u.text
                 if c.index not in started:
                     started.add(c.index)
                     text = c.prefix + text
+                    logprobs.offset[c.index] = len(c.prefix)
                 if u.meta is not None:
                     metas[c.index] = dict(u.meta, prompt_index=c.prompt_index)
+                logprobs.add(c.index, u.logprobs)
                 if not text and u.meta is None:
                     continue
-                logprobs = None if u.meta is None else completion_logprobs(st, u.meta, 0)
                 choice = {
                     "index": c.index,
                     "text": text,
-                    "logprobs": logprobs,
+                    "logprobs": logprobs.completion(st, c.index),
                     "finish_reason": finish_reason(u.meta),
                 }
                 yield chunk([choice])
@@ -185,7 +212,7 @@ async def completions(req: CompletionRequest, request: Request, st: State) -> An
         {
             "index": c.index,
             "text": c.prefix + u.text,
-            "logprobs": completion_logprobs(st, u.meta or {}, len(c.prefix)),
+            "logprobs": completion_logprobs(st, u.logprobs, len(c.prefix)),
             "finish_reason": finish_reason(u.meta),
         }
         for c, u in results
@@ -209,7 +236,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, st: Sta
     if req.logprobs:
         raw.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
     params, n = sampling(st, raw, prompt_ids, names)
-    choices: list[Choice] = await start(st, [(prompt_ids, params)], n, req.rid, req.priority)
+    choices: list[Choice] = await start(
+        st, [(prompt_ids, params)], n, req.rid, req.priority, stream=req.stream
+    )
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
 
@@ -224,15 +253,17 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, st: Sta
                 delta = {"role": "assistant", "content": ""}
                 yield chunk([{"index": c.index, "delta": delta, "finish_reason": None}])
             metas = []
+            logprobs = PendingLogprobs()
             async for c, u in merged(st, choices):
                 if u.meta is not None:
                     metas.append(dict(u.meta, prompt_index=0))
+                logprobs.add(c.index, u.logprobs)
                 if not u.text and u.meta is None:
                     continue
                 choice = {
                     "index": c.index,
                     "delta": {"content": u.text} if u.text else {},
-                    "logprobs": None if u.meta is None else chat_logprobs(st, u.meta),
+                    "logprobs": chat_logprobs(st, logprobs.take(c.index)),
                     "finish_reason": finish_reason(u.meta),
                 }
                 yield chunk([choice])
@@ -247,7 +278,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, st: Sta
         {
             "index": c.index,
             "message": {"role": "assistant", "content": u.text},
-            "logprobs": chat_logprobs(st, u.meta or {}),
+            "logprobs": chat_logprobs(st, u.logprobs),
             "finish_reason": finish_reason(u.meta),
         }
         for c, u in results
