@@ -208,6 +208,34 @@ def test_logprobs_ride_on_every_openai_stream_chunk(server: str) -> None:
     assert [x.logprob for x in streamed] == pytest.approx(expected, abs=1e-3)
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("session_id", "s1"),
+        ("cache_salt", "tenant-a"),
+        ("extra_key", "k"),
+        ("return_sampling_mask", True),
+        ("require_reasoning", True),
+        ("bootstrap_room", 7),
+        ("lora_path", ["a", "b"]),
+    ],
+)
+def test_what_rsgl_cannot_do_is_a_400_naming_the_field(server: str, field: str, value: Any) -> None:
+    body = {"text": PROMPTS, "sampling_params": greedy(1), field: value}
+    assert generate(server, body, 400)["error"]["param"] == field
+    # The same field, null or false (what SGLang's clients send by default), is accepted.
+    assert generate(server, dict(body, **{field: None}))[0]["meta_info"]
+
+
+def test_return_prompt_token_ids_echoes_each_choices_prompt(server: str) -> None:
+    body = {"text": PROMPTS, "sampling_params": greedy(1), "return_prompt_token_ids": True}
+    outs = generate(server, body)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        tokens = httpx.post(f"{server}/tokenize", json={"prompt": prompt}).json()["tokens"]
+        assert out["prompt_token_ids"] == tokens
+    assert "prompt_token_ids" not in generate(server, dict(body, return_prompt_token_ids=False))[0]
+
+
 def test_spaces_between_special_tokens_is_accepted(server: str) -> None:
     body = {"text": "Hi", "sampling_params": greedy(3, skip_special_tokens=False)}
     plain = generate(server, body)

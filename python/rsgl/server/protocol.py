@@ -230,6 +230,8 @@ class GenerateRequest(BaseModel):
         json_schema_extra={"anyOf": [*batchable(BOUNDS["token_ids_logprob"]), {"type": "null"}]},
     )
     return_text_in_logprobs: bool = False
+    # Echo each choice's prompt token ids in its answer (`prompt_token_ids`).
+    return_prompt_token_ids: bool = False
     priority: int | None = None
     log_metrics: bool = True
     no_logs: bool = False
@@ -252,8 +254,29 @@ UNSUPPORTED_GENERATE_FIELDS = (
     "return_bytes",
     "custom_logit_processor",
     "session_params",
+    "session_id",
     "bootstrap_host",
+    "bootstrap_port",
     "bootstrap_room",
+    "bootstrap_pair_key",
+    "mm_hashes",
+    "mm_content_hashes",
+    "use_audio_in_video",
+    "return_sampling_mask",
+    "return_flat_raw_top_logprobs",
+    "return_flat_raw_output_top_logprobs",
+    "positional_embed_overrides",
+    "watermark",
+    "require_reasoning",
+    "max_thinking_tokens",
+    "multi_item_delimiter_indices",
+    "token_indices_to_pool",
+    "encoder_urls",
+    "kv_hints",
+    # Prefix-cache namespaces: ignoring them would share a cache the client asked to keep
+    # apart.
+    "extra_key",
+    "cache_salt",
 )
 
 

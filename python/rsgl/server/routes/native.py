@@ -88,6 +88,8 @@ async def generate(req: GenerateRequest, request: Request, st: State) -> Any:
 
     def native(c: Choice, u: Output) -> dict[str, Any]:
         out = u.to_dict()
+        if req.return_prompt_token_ids:
+            out["prompt_token_ids"] = c.record.prompt_ids
         return _sglang_logprobs(out, text_of) if c.record.params.return_logprob else out
 
     if req.stream:
