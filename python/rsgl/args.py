@@ -27,7 +27,7 @@ KV_CACHE_DTYPES: dict[str, str | None] = {
     "bf16": "bfloat16",
 }
 
-LOAD_FORMATS = ("auto", "null")
+LOAD_FORMATS = ("auto", "dummy", "null")
 
 
 def check_kv_cache_dtype(name: str) -> None:
@@ -52,7 +52,7 @@ class EngineArgs:
         None, "HF model directory or GGUF file (default: the embedded SmolLM2-135M-Instruct)"
     )
     tokenizer_path: str | None = option(None, "tokenizer directory (default: the model's)")
-    device: str = option("cpu", "torch device to run the model on")
+    device: str = option("cpu", "torch device to run the model on (cpu, cuda, cuda:N)")
     dtype: str = option("auto", "model dtype (auto: float32 on CPU, bfloat16 elsewhere)")
     kv_cache_dtype: str = option(
         "auto",
@@ -62,7 +62,9 @@ class EngineArgs:
     context_length: int | None = option(None, "context length (default: the model's)")
     mem_fraction: float | None = option(
         None,
-        "share of device memory for the KV pool (default: 0.15, at most 2^18 tokens)",
+        "CPU: share of memory for the KV pool (default: 0.15, at most 2^18 tokens); CUDA: "
+        "share of the GPU for weights and KV pool together, as SGLang's --mem-fraction-static "
+        "(default: 0.85; the rest holds activations and CUDA graphs)",
         alias="--mem-fraction-static",
     )
     max_total_tokens: int | None = option(None, "KV pool size in tokens (overrides mem-fraction)")
@@ -83,10 +85,20 @@ class EngineArgs:
         False, "run each step's scheduling after its forward instead of during it"
     )
     enable_mixed_chunk: bool = option(False, "run decodes in the same step as a prefill chunk")
-    attention_backend: str = option("torch_native", "attention implementation")
+    attention_backend: str | None = option(
+        None,
+        "attention implementation: torch_native, triton or flashinfer (default: torch_native "
+        "on CPU, flashinfer on CUDA when installed, else triton)",
+        choices=["torch_native", "triton", "flashinfer"],
+    )
+    cuda_graph_max_bs: int = option(
+        160, "largest decode batch replayed from a CUDA graph (CUDA only)"
+    )
+    disable_cuda_graph: bool = option(False, "run decode steps eagerly on CUDA")
     load_format: str = option(
         "auto",
-        "auto: load the weights; null: no weights and no math, seeded-random tokens (measures "
+        "auto: load the weights; dummy: seeded random weights from config.json (benchmarks "
+        "without a download); null: no weights and no math, seeded-random tokens (measures "
         "everything but the forward)",
         choices=LOAD_FORMATS,
     )
@@ -114,7 +126,13 @@ class EngineArgs:
             raise ValueError(f"null_step_ms must be finite and >= 0, got {self.null_step_ms}")
         if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:
             raise ValueError(f"mem_fraction must be in (0, 1), got {self.mem_fraction}")
-        limits = ("max_n", "max_stop_strings", "max_stop_string_len", "stream_interval")
+        limits = (
+            "max_n",
+            "max_stop_strings",
+            "max_stop_string_len",
+            "stream_interval",
+            "cuda_graph_max_bs",
+        )
         for name in ("max_running_requests", "max_prefill_tokens", "page_size", *limits):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

@@ -42,6 +42,8 @@ Messages = list[dict[str, Any]]
 DEFAULT_MEM_FRACTION = 0.15
 # Default pool cap, so a big machine does not pin tens of GB for a 135M model.
 DEFAULT_MAX_TOTAL_TOKENS = 1 << 18
+# On CUDA: the share of GPU memory for weights + KV pool (SGLang's mem_fraction_static).
+DEFAULT_CUDA_MEM_FRACTION = 0.85
 
 
 @dataclass(slots=True)
@@ -65,9 +67,20 @@ def build_stack(args: EngineArgs) -> ModelStack:
     torch.manual_seed(args.seed)
     if args.load_format == "null":
         return _null_stack(args)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"device {args.device!r} was asked for, but torch sees no CUDA device "
+            f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})"
+        )
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     loaded = load_model(
-        args.model_path, device=args.device, dtype=dtype, max_positions=args.context_length
+        args.model_path,
+        device=device,
+        dtype=dtype,
+        max_positions=args.context_length,
+        load_format=args.load_format,
+        seed=args.seed,
     )
     context_length = args.context_length or loaded.config.max_position_embeddings
     tokenizer = load_tokenizer(args.tokenizer_path or loaded.model_dir)
@@ -81,6 +94,8 @@ def build_stack(args: EngineArgs) -> ModelStack:
         attention_backend=args.attention_backend,
         kv_cache_dtype=args.kv_cache_dtype,
         seed=args.seed,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
+        disable_cuda_graph=args.disable_cuda_graph,
     )
     kv_name = str(runner.kv_cache.dtype).removeprefix("torch.")
     return ModelStack(
@@ -136,13 +151,27 @@ def _core(
 
 
 def _pool_tokens(args: EngineArgs, config: ModelConfig, model_dtype: torch.dtype) -> int:
-    """KV pool size: `mem_fraction` of the device's memory (default share, capped)."""
+    """KV pool size in tokens.
+
+    CPU: `mem_fraction` of the machine's memory (a default share, capped). CUDA, as SGLang's
+    `--mem-fraction-static`: weights and KV pool together take that share of the GPU, so
+    the pool gets it minus what is in use once the weights are loaded; the rest is left to
+    activations, the sampler and CUDA graphs.
+    """
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, model_dtype)
     per_token = KVCache.bytes_per_slot(config, kv_dtype)
-    if args.device == "cpu":
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    else:
-        total = torch.cuda.get_device_properties(torch.device(args.device)).total_memory
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = total * (args.mem_fraction or DEFAULT_CUDA_MEM_FRACTION) - (total - free)
+        if budget < 4 * args.page_size * per_token:
+            raise RuntimeError(
+                f"no GPU memory left for the KV pool: {(total - free) / 2**30:.1f} GiB of "
+                f"{total / 2**30:.1f} GiB are in use after loading the weights; raise "
+                "--mem-fraction-static or use a smaller model"
+            )
+        return int(budget // per_token)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     tokens = int(total * (args.mem_fraction or DEFAULT_MEM_FRACTION) / per_token)
     cap = DEFAULT_MAX_TOTAL_TOKENS if args.mem_fraction is None else tokens
     return max(4 * args.page_size, min(tokens, cap))
@@ -361,14 +390,19 @@ class Engine:
             kv_buffer_size=self.core.kv_buffer_size,
             kv_cache_storage_dtype=self.stack.kv_cache_dtype,
             model_dir=str(self.stack.model_dir),
+            attention_backend=getattr(self.runner, "attention_backend", None),
+            cuda_graphs=getattr(self.runner, "graphs", None) is not None,
             stats=self.core.stats(),
             steps=self._loop.steps,
         )
         return info
 
     def shutdown(self) -> None:
-        """Stops the loop (aborting what is left) and its stream."""
+        """Stops the loop (aborting what is left) and its stream, and frees the model's
+        device memory."""
         self._loop.shutdown()
+        if isinstance(self.runner, ModelRunner):
+            self.runner.close()
 
     def __enter__(self) -> Self:
         return self

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,6 +12,11 @@ from plan_builder import Driver
 
 from rsgl.model_executor.model_runner import ModelRunner
 from rsgl.models.loader import load_tokenizer
+
+# Without a GPU the Triton kernels run in Triton's interpreter, which triton reads when it is
+# first imported: switch it on before any test module imports it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

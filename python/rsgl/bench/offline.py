@@ -107,18 +107,23 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--hf-batch-sizes", default="32,64")
     parser.add_argument("--max-running-requests", type=int, default=256)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    parser.add_argument("--attention-backend", default=None)
     args = parser.parse_args(argv)
 
-    from rsgl.models.loader import load_model
+    from rsgl.models.config import ModelConfig
+    from rsgl.models.loader import resolve_model_dir
 
-    loaded = load_model(args.model_path)
-    prompts = make_prompts(args, loaded.config.vocab_size)
-    model_dir = str(loaded.model_dir)
-    del loaded
+    model_dir = str(resolve_model_dir(args.model_path))
+    prompts = make_prompts(args, ModelConfig.from_model_dir(model_dir).vocab_size)
     engine = {
         "model_path": args.model_path,
         "max_running_requests": args.max_running_requests,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "device": args.device,
+        "load_format": args.load_format,
+        "attention_backend": args.attention_backend,
     }
     result: dict[str, Any] = {
         "dataset": args.dataset,
@@ -126,6 +131,7 @@ def main(argv: list[str]) -> int:
         "input_len": args.input_len,
         "output_len": args.output_len,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "device": args.device,
         "torch_threads": torch.get_num_threads(),
     }
     rsgl_run = run_rsgl(prompts, args.output_len, **engine)
@@ -134,6 +140,7 @@ def main(argv: list[str]) -> int:
     if not args.skip_no_overlap:
         off = run_rsgl(prompts, args.output_len, disable_overlap_schedule=True, **engine)
         result["rsgl_no_overlap_output_tok_s"] = off["output_tok_s"]
+        result["overlap_speedup"] = round(rsgl_run["output_tok_s"] / off["output_tok_s"], 3)
     if args.compare_radix:
         no_cache = run_rsgl(prompts, args.output_len, disable_radix_cache=True, **engine)
         result["rsgl_no_radix_output_tok_s"] = no_cache["output_tok_s"]

@@ -1,9 +1,18 @@
-"""`rsgl bench one-batch`: a static batch through the model runner, against the matmul limit.
+"""`rsgl bench one-batch`: a static batch through the model runner, against its roofline.
 
 Prefill all prompts in one extend step, then decode `output_len - 1` steps whose input
-tokens are FutureMap placeholders (as in overlap mode); no scheduler is involved. In the same
-process it times the model's matmuls alone (every layer's projections and the LM head at the
-decode batch size, no attention, norms or sampling): the practical decode roofline.
+tokens are FutureMap placeholders (as in overlap mode); no scheduler is involved.
+
+On CPU the roofline is the model's matmuls alone, timed in the same process (every layer's
+projections and the LM head at the decode batch size, no attention, norms or sampling). On
+CUDA a decode step is bound by memory: the roofline is the bytes one step must read (every
+weight once, plus each request's K and V) over the device-to-device copy bandwidth measured
+in the same process (bytes read + written per second, as `nvidia-smi`-free bandwidth tests
+count it).
+
+    rsgl bench one-batch --device cuda --load-format dummy --model benches/configs/llama3-8b \
+        --batch 64 --input-len 512 --output-len 256 [--disable-cuda-graph] \
+        [--attention-backend triton|flashinfer]
 """
 
 from __future__ import annotations
@@ -17,7 +26,8 @@ import numpy as np
 import torch
 
 from rsgl._core import Plan
-from rsgl.args import KV_CACHE_DTYPES
+from rsgl.args import KV_CACHE_DTYPES, LOAD_FORMATS
+from rsgl.model_executor.kv_cache import KVCache
 from rsgl.model_executor.model_runner import ModelRunner
 from rsgl.models.llama import LlamaForCausalLM
 from rsgl.sampling_params import SamplingParams
@@ -97,21 +107,58 @@ def matmul_roofline_step_s(
     return statistics.median(times)
 
 
-def run(args: argparse.Namespace) -> dict[str, object]:
+def copy_bandwidth_bytes_s(device: torch.device, size: int = 1 << 30, repeats: int = 10) -> float:
+    """Device-to-device copy bandwidth, bytes read + written per second (median)."""
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(float(start.elapsed_time(end)) / 1000)
+    del src, dst
+    return float(2 * size / statistics.median(times))
+
+
+def decode_bytes_per_step(runner: ModelRunner, batch: int, mean_seq_len: float) -> float:
+    """Bytes a decode step must read at least: every weight once, each request's K and V."""
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    per_slot = KVCache.bytes_per_slot(runner.config, runner.kv_cache.dtype)
+    return weights + batch * mean_seq_len * per_slot
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run(args: argparse.Namespace) -> dict[str, object] | list[dict[str, object]]:
     """Run the benchmark and return its figures."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    batch, input_len, output_len = args.batch, args.input_len, args.output_len
+    args.batches = [int(b) for b in args.batches.split(",")] if args.batches else [args.batch]
+    batch, input_len, output_len = max(args.batches), args.input_len, args.output_len
     capacity = input_len + output_len
+    device = torch.device(args.device)
     runner = ModelRunner.from_pretrained(
         args.model,
         kv_buffer_size=1 + batch * capacity,
         max_running_requests=batch,
         context_len=capacity + 1,
-        device=args.device,
+        device=device,
         attention_backend=args.attention_backend,
         kv_cache_dtype=args.kv_cache_dtype,
+        load_format=args.load_format,
+        cuda_graph_max_bs=args.cuda_graph_max_bs or batch,
+        disable_cuda_graph=args.disable_cuda_graph,
     )
+    if device.type == "cuda":
+        return _run_cuda(args, runner)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=output_len, ignore_eos=True)
     rng = np.random.default_rng(args.seed)
     vocab = runner.config.vocab_size
@@ -158,7 +205,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "input_len": input_len,
         "output_len": output_len,
         "threads": torch.get_num_threads(),
-        "attention_backend": args.attention_backend,
+        "attention_backend": runner.attention_backend,
         "cpu_kernels": getattr(backend, "decode_kernel", None) is not None,
         "kv_cache_dtype": args.kv_cache_dtype,
         "kv_cache_storage_dtype": str(runner.kv_cache.dtype).removeprefix("torch."),
@@ -178,6 +225,66 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
+def _run_cuda(args: argparse.Namespace, runner: ModelRunner) -> list[dict[str, object]]:
+    """Decode against the HBM roofline (see the module docstring) for every batch size in
+    `args.batches`, with CUDA graphs and (`--compare-graphs`) without, in one process."""
+    input_len, output_len = args.input_len, args.output_len
+    capacity = input_len + output_len
+    device = runner.device
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=output_len, ignore_eos=True)
+    rng = np.random.default_rng(args.seed)
+    vocab = runner.config.vocab_size
+    bandwidth = copy_bandwidth_bytes_s(device)
+    graphs = runner.graphs
+    modes = [graphs is not None] + ([False] if args.compare_graphs and graphs is not None else [])
+    results = []
+    for batch in args.batches:
+        prompts = rng.integers(100, vocab - 100, size=(batch, input_len))
+        for use_graphs in modes:
+            runner.graphs = graphs if use_graphs else None
+            for slot in range(batch):
+                runner.admit(slot, greedy, prompts[slot].tolist())
+            runner.step(_prefill_plan(prompts[:1, :8], capacity))  # warm-up: kernels compile
+            runner.step(_decode_plan(1, 8, capacity))
+            _sync(device)
+            t0 = time.perf_counter()
+            runner.step(_prefill_plan(prompts, capacity))
+            _sync(device)
+            prefill_s = time.perf_counter() - t0
+            step_times: list[float] = []
+            for i in range(output_len - 1):
+                t0 = time.perf_counter()
+                runner.step(_decode_plan(batch, input_len + i, capacity))
+                _sync(device)
+                step_times.append(time.perf_counter() - t0)
+            mean_seq = input_len + output_len / 2
+            roofline_s = decode_bytes_per_step(runner, batch, mean_seq) / bandwidth
+            median_step = statistics.median(step_times)
+            results.append(
+                {
+                    "model": str(runner.loaded.model_dir),
+                    "device": torch.cuda.get_device_name(device),
+                    "dtype": str(runner.dtype).removeprefix("torch."),
+                    "batch": batch,
+                    "input_len": input_len,
+                    "output_len": output_len,
+                    "attention_backend": type(runner.attn).__name__,
+                    "cuda_graphs": use_graphs,
+                    "prefill_s": round(prefill_s, 4),
+                    "prefill_tok_s": round(batch * input_len / prefill_s, 1),
+                    "decode_step_ms_median": round(1000 * median_step, 3),
+                    "decode_tok_s": round(batch / median_step, 1),
+                    "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
+                    "roofline_step_ms": round(1000 * roofline_s, 3),
+                    "roofline_decode_tok_s": round(batch / roofline_s, 1),
+                    "decode_vs_roofline": round(roofline_s / median_step, 3),
+                }
+            )
+            print(json.dumps(results[-1]), flush=True)
+    runner.graphs = graphs
+    return results
+
+
 def main(argv: list[str]) -> int:
     """Entry point of `rsgl bench one-batch`."""
     parser = argparse.ArgumentParser(prog="rsgl bench one-batch", description=__doc__)
@@ -186,12 +293,23 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--input-len", type=int, default=100)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--attention-backend", default="torch_native")
+    parser.add_argument("--attention-backend", default=None, help="default: the device's")
+    parser.add_argument("--load-format", default="auto", choices=LOAD_FORMATS[:2])
+    parser.add_argument("--cuda-graph-max-bs", type=int, default=0, help="default: --batch")
+    parser.add_argument("--disable-cuda-graph", action="store_true")
+    parser.add_argument(
+        "--batches", default="", help="CUDA: comma-separated batch sizes, one model load"
+    )
+    parser.add_argument(
+        "--compare-graphs", action="store_true", help="CUDA: also run each batch eagerly"
+    )
     parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.batch < 1 or args.input_len < 1 or args.output_len < 1:
         parser.error("--batch, --input-len and --output-len must be >= 1")
-    print(json.dumps(run(args)))
+    result = run(args)
+    if isinstance(result, dict):  # CUDA prints one line per configuration as it goes
+        print(json.dumps(result))
     return 0

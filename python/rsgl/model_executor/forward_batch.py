@@ -29,7 +29,8 @@ class ForwardBatch:
     Requests are laid out contiguously in token order; extends come first and single-token
     decodes last (the scheduling core's mixed layout). Per-request tensors have length B,
     per-token tensors length T = sum(extend_lens). The `*_host` arrays mirror the per-request
-    lengths on the host, for the few places that need Python ints (the extend loop).
+    lengths and request slots on the host: whatever a step decides on the host reads these,
+    never a device tensor (on a GPU that would wait for the device).
     """
 
     forward_mode: ForwardMode
@@ -41,6 +42,7 @@ class ForwardBatch:
     extend_lens: torch.Tensor
     seq_lens: torch.Tensor
     extend_start_loc: torch.Tensor
+    req_slots_host: np.ndarray
     prefix_lens_host: np.ndarray
     extend_lens_host: np.ndarray
     seq_lens_host: np.ndarray
@@ -105,19 +107,20 @@ class ForwardBatch:
         not_one = np.flatnonzero(extend != 1)
         num_decodes = int(extend.size - (not_one[-1] + 1 if not_one.size else 0))
 
-        def dev(a: np.ndarray) -> torch.Tensor:
-            return torch.as_tensor(np.asarray(a, dtype=np.int64), device=device)
-
+        (ids_d, pos_d, loc_d, slots_d, prefix_d, extend_d, seq_d, starts_d) = to_device(
+            [ids, positions, out_cache_loc, req_slots, prefix, extend, seq, starts], device
+        )
         return cls(
             forward_mode=mode,
-            input_ids=dev(ids),
-            positions=dev(positions),
-            out_cache_loc=dev(out_cache_loc),
-            req_slots=dev(req_slots),
-            prefix_lens=dev(prefix),
-            extend_lens=dev(extend),
-            seq_lens=dev(seq),
-            extend_start_loc=dev(starts),
+            input_ids=ids_d,
+            positions=pos_d,
+            out_cache_loc=loc_d,
+            req_slots=slots_d,
+            prefix_lens=prefix_d,
+            extend_lens=extend_d,
+            seq_lens=seq_d,
+            extend_start_loc=starts_d,
+            req_slots_host=np.asarray(req_slots, dtype=np.int64),
             prefix_lens_host=prefix,
             extend_lens_host=extend,
             seq_lens_host=seq,
@@ -138,3 +141,24 @@ class ForwardBatch:
             out_cache_loc=plan.out_cache_loc,
             device=device,
         )
+
+
+def to_device(arrays: list[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
+    """int64 tensors on `device` holding `arrays`.
+
+    On CPU they share the arrays' memory. Elsewhere they are packed into one pinned host
+    buffer and sent in a single non-blocking copy on the current stream: a copy from pageable
+    memory would block the host until the device drained its queue, which is exactly the
+    overlap the loop is built for. A fresh pinned buffer per call lets torch's caching host
+    allocator keep it alive until the copy has run.
+    """
+    host = [np.asarray(a, dtype=np.int64).reshape(-1) for a in arrays]
+    device = torch.device(device)
+    if device.type == "cpu":
+        return [torch.as_tensor(a) for a in host]
+    sizes = [a.shape[0] for a in host]
+    staging = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=True)
+    np.concatenate(host, out=staging.numpy())
+    packed = staging.to(device, non_blocking=True)
+    offsets = np.cumsum([0, *sizes]).tolist()
+    return [packed[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]

@@ -18,7 +18,8 @@ class FutureMap:
     PLACEHOLDER = -1
 
     def __init__(self, max_running_requests: int, device: torch.device | str) -> None:
-        self.tokens = torch.zeros(max_running_requests, dtype=torch.int64, device=device)
+        # One extra entry for the padding row CUDA graphs pad decode batches with.
+        self.tokens = torch.zeros(max_running_requests + 1, dtype=torch.int64, device=device)
 
     def store(self, req_slots: torch.Tensor, next_token_ids: torch.Tensor) -> None:
         """Record each request slot's newest sampled token."""

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from rsgl.args import KV_CACHE_DTYPES, check_kv_cache_dtype
+from rsgl.model_executor.forward_batch import to_device
 from rsgl.models.config import ModelConfig
 
 
@@ -78,7 +79,9 @@ class KVCache:
 class ReqToTokenPool:
     """The req_to_token table: request slot x position -> KV slot, as an int32 tensor.
 
-    The Rust core decides every entry; this class only applies the writes a plan lists.
+    The Rust core decides every entry; this class only applies the writes a plan lists. One
+    row more than the core's request slots is kept all zeros (`padding_row`): rows a CUDA
+    graph pads a batch with read KV slot 0, the padding slot no request owns.
     """
 
     def __init__(
@@ -86,8 +89,9 @@ class ReqToTokenPool:
     ) -> None:
         self.max_running_requests = max_running_requests
         self.context_len = context_len
+        self.padding_row = max_running_requests
         self.req_to_token = torch.zeros(
-            (max_running_requests, context_len), dtype=torch.int32, device=device
+            (max_running_requests + 1, context_len), dtype=torch.int32, device=device
         )
 
     def apply_writes(
@@ -96,11 +100,13 @@ class ReqToTokenPool:
         cols: np.ndarray | torch.Tensor,
         slots: np.ndarray | torch.Tensor,
     ) -> None:
-        """`req_to_token[rows, cols] = slots` in one indexed assignment."""
+        """`req_to_token[rows, cols] = slots` in one indexed assignment (one host-to-device
+        copy of the three arrays on an accelerator)."""
         if len(rows) == 0:
             return
         dev = self.req_to_token.device
-        r = torch.as_tensor(rows, device=dev)
-        c = torch.as_tensor(cols, device=dev)
-        s = torch.as_tensor(slots, device=dev)
+        if isinstance(rows, torch.Tensor):
+            r, c, s = (torch.as_tensor(a, device=dev) for a in (rows, cols, slots))
+        else:
+            r, c, s = to_device([rows, cols, slots], dev)  # type: ignore[list-item]
         self.req_to_token[r, c] = s.to(torch.int32)

@@ -2,20 +2,34 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from rsgl._core import Plan
-from rsgl.layers.attention import AttentionBackend, create_attention_backend
+from rsgl.layers.attention import (
+    ATTENTION_BACKENDS,
+    AttentionBackend,
+    create_attention_backend,
+)
 from rsgl.layers.sampler import SampleOutput, Sampler, SlotSamplingState
-from rsgl.model_executor.forward_batch import ForwardBatch, ForwardMode
+from rsgl.model_executor.cuda_graph_runner import (
+    CudaGraphRunner,
+    TorchCudaGraph,
+    pad_decode_arrays,
+    padded_size,
+)
+from rsgl.model_executor.forward_batch import ForwardBatch, ForwardMode, to_device
 from rsgl.model_executor.future_map import FutureMap
 from rsgl.model_executor.kv_cache import KVCache, ReqToTokenPool, resolve_kv_cache_dtype
 from rsgl.models.loader import LoadedModel, load_model
 from rsgl.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -29,6 +43,41 @@ class StepOutput:
     def next_token_ids(self) -> torch.Tensor:
         return self.sample.next_token_ids
 
+    def to_host(self) -> StepOutput:
+        """This output with its tensors on the host. From a GPU the copies go to pinned
+        memory without blocking: read them only once the step's event has fired."""
+        if self.next_token_ids.device.type == "cpu":
+            return self
+
+        def host(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to("cpu", non_blocking=True)
+
+        s = self.sample
+        sample = SampleOutput(
+            next_token_ids=s.next_token_ids.to("cpu", non_blocking=True),
+            token_logprobs=host(s.token_logprobs),
+            top_logprob_ids=host(s.top_logprob_ids),
+            top_logprobs=host(s.top_logprobs),
+            token_ids_logprobs=host(s.token_ids_logprobs),
+        )
+        return StepOutput(sample, host(self.logits))
+
+
+@dataclass(slots=True)
+class PreparedStep:
+    """A plan with its inputs on the device (`ModelRunner.prepare`), ready to execute."""
+
+    plan: Plan
+    writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    batch: ForwardBatch | None  # None for an idle plan
+    graph: bool  # replay a CUDA graph (the batch is padded to a captured size)
+    num_requests: int  # the batch's rows before padding
+
+
+def default_attention_backend(device: torch.device) -> str:
+    """torch_native on CPU; on CUDA flashinfer (it falls back to triton when missing)."""
+    return "flashinfer" if device.type == "cuda" else "torch_native"
+
 
 class ModelRunner:
     """Owns the model, the KV cache, req_to_token, the FutureMap and per-slot sampling state.
@@ -37,6 +86,11 @@ class ModelRunner:
     a plan's req_to_token writes, runs the forward for its tokens, samples one token per
     request from its last position and records it in the FutureMap. `kv_buffer_size` is
     `(num_pages + 1) * page_size`: the first page is padding the core never hands out.
+
+    A step is `prepare(plan)` (inputs to the device: the executor runs it on the schedule
+    stream) then `execute(prepared)` (the forward stream); `step(plan)` does both. On CUDA,
+    decode steps of up to `cuda_graph_max_bs` requests replay captured graphs unless
+    `disable_cuda_graph`.
     """
 
     def __init__(
@@ -46,9 +100,11 @@ class ModelRunner:
         kv_buffer_size: int,
         max_running_requests: int,
         context_len: int | None = None,
-        attention_backend: str = "torch_native",
+        attention_backend: str | None = None,
         kv_cache_dtype: str = "auto",
         seed: int = 0,
+        cuda_graph_max_bs: int = 160,
+        disable_cuda_graph: bool = False,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -62,7 +118,7 @@ class ModelRunner:
         self.kv_cache = KVCache.for_model(cfg, kv_buffer_size, kv_dtype, self.device)
         self.req_to_token = ReqToTokenPool(max_running_requests, self.context_len, self.device)
         self.attn: AttentionBackend = create_attention_backend(
-            attention_backend,
+            attention_backend or default_attention_backend(self.device),
             self.kv_cache,
             self.req_to_token,
             cfg.num_attention_heads,
@@ -70,11 +126,41 @@ class ModelRunner:
             cfg.head_dim,
             model_dtype=self.dtype,
         )
+        # The backend that runs (flashinfer falls back to triton when it cannot).
+        self.attention_backend = next(
+            name for name, cls in ATTENTION_BACKENDS.items() if type(self.attn) is cls
+        )
         self.future_map = FutureMap(max_running_requests, self.device)
         self.sampling = SlotSamplingState(
             max_running_requests, cfg.vocab_size, cfg.eos_token_ids, self.device
         )
         self.sampler = Sampler(self.device, seed)
+        self.graphs: CudaGraphRunner | None = None
+        if self.device.type == "cuda" and not disable_cuda_graph and self.attn.supports_cuda_graph:
+            self.graphs = self._capture_graphs(min(cuda_graph_max_bs, max_running_requests))
+
+    def _capture_graphs(self, max_bs: int) -> CudaGraphRunner:
+        stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        graphs = CudaGraphRunner(
+            self.model,
+            self.attn,
+            self.future_map,
+            max_bs=max_bs,
+            max_context_len=self.context_len,
+            device=self.device,
+            make_graph=lambda pool: TorchCudaGraph(stream, pool),
+        )
+        start = time.perf_counter()
+        with torch.inference_mode():
+            graphs.capture(self.req_to_token.padding_row)
+        torch.cuda.synchronize(self.device)
+        logger.info(
+            "captured %d CUDA graphs (decode batches up to %d) in %.1f s",
+            len(graphs.sizes),
+            max_bs,
+            time.perf_counter() - start,
+        )
+        return graphs
 
     @classmethod
     def from_pretrained(
@@ -86,12 +172,22 @@ class ModelRunner:
         context_len: int | None = None,
         device: torch.device | str = "cpu",
         dtype: torch.dtype | None = None,
-        attention_backend: str = "torch_native",
+        attention_backend: str | None = None,
         kv_cache_dtype: str = "auto",
         seed: int = 0,
+        load_format: str = "auto",
+        cuda_graph_max_bs: int = 160,
+        disable_cuda_graph: bool = False,
     ) -> ModelRunner:
         """Load `model` (None: the embedded SmolLM2) and allocate its cache."""
-        loaded = load_model(model, device=device, dtype=dtype, max_positions=context_len)
+        loaded = load_model(
+            model,
+            device=device,
+            dtype=dtype,
+            max_positions=context_len,
+            load_format=load_format,
+            seed=seed,
+        )
         return cls(
             loaded,
             kv_buffer_size=kv_buffer_size,
@@ -100,7 +196,21 @@ class ModelRunner:
             attention_backend=attention_backend,
             kv_cache_dtype=kv_cache_dtype,
             seed=seed,
+            cuda_graph_max_bs=cuda_graph_max_bs,
+            disable_cuda_graph=disable_cuda_graph,
         )
+
+    def close(self) -> None:
+        """Frees the runner's memory now (weights, KV cache, graphs, workspaces), so another
+        engine can use the device in this process; the runner is unusable afterwards. The
+        engine's objects live in reference cycles that start-up froze out of the garbage
+        collector, so waiting for them to be collected would wait forever."""
+        for name in ("graphs", "attn", "kv_cache", "req_to_token", "future_map", "sampling"):
+            self.__dict__.pop(name, None)
+        self.__dict__.pop("model", None)
+        self.__dict__.pop("loaded", None)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def admit(
         self,
@@ -114,10 +224,53 @@ class ModelRunner:
 
     def step(self, plan: Plan, *, return_logits: bool = False) -> StepOutput:
         """Run one scheduling-core plan end to end."""
-        self.req_to_token.apply_writes(plan.write_rows, plan.write_cols, plan.write_slots)
+        return self.execute(self.prepare(plan), return_logits=return_logits)
+
+    def prepare(self, plan: Plan) -> PreparedStep:
+        """Copies the plan's arrays to the device (one pinned, non-blocking copy each for
+        the req_to_token writes and the batch); a decode batch that a graph will replay is
+        padded to the graph's size first."""
+        writes = None
+        if len(plan.write_rows):
+            rows, cols, slots = to_device(
+                [plan.write_rows, plan.write_cols, plan.write_slots], self.device
+            )
+            writes = (rows, cols, slots)
         if plan.forward_mode == ForwardMode.IDLE.value:
+            return PreparedStep(plan, writes, None, False, 0)
+        n = len(plan.req_slots)
+        mode = ForwardMode(plan.forward_mode)
+        size = None
+        if self.graphs is not None and self.graphs.can_run(n, mode):
+            size = padded_size(self.graphs.sizes, n)
+        if size is None:
+            return PreparedStep(plan, writes, ForwardBatch.from_plan(plan, self.device), False, n)
+        arrays = {
+            "req_slots": plan.req_slots,
+            "prefix_lens": plan.prefix_lens,
+            "extend_lens": plan.extend_lens,
+            "seq_lens": plan.seq_lens,
+            "input_ids": plan.input_ids,
+            "positions": plan.positions,
+            "out_cache_loc": plan.out_cache_loc,
+        }
+        padded = pad_decode_arrays(arrays, size, self.req_to_token.padding_row)
+        batch = ForwardBatch.from_arrays(forward_mode=mode, device=self.device, **padded)
+        return PreparedStep(plan, writes, batch, True, n)
+
+    def execute(self, prepared: PreparedStep, *, return_logits: bool = False) -> StepOutput:
+        """Applies the req_to_token writes, then forward + sampling."""
+        if prepared.writes is not None:
+            rows, cols, slots = prepared.writes
+            self.req_to_token.apply_writes(rows, cols, slots)
+        if prepared.batch is None:
             return _empty_output(self.device)
-        return self.forward(ForwardBatch.from_plan(plan, self.device), return_logits=return_logits)
+        if not prepared.graph:
+            return self.forward(prepared.batch, return_logits=return_logits)
+        assert self.graphs is not None
+        with torch.inference_mode():
+            logits = self.graphs.replay(prepared.batch)[: prepared.num_requests]
+            return self._sample(prepared.batch, logits, prepared.num_requests, return_logits)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, *, return_logits: bool = False) -> StepOutput:
@@ -127,9 +280,18 @@ class ModelRunner:
         input_ids = self.future_map.resolve(batch.input_ids, batch.token_req_slots())
         self.attn.prepare(batch)
         logits = self.model(input_ids, batch, self.attn)
-        sample = self.sampler(logits, self.sampling, batch.req_slots, batch.seq_lens)
-        self.future_map.store(batch.req_slots, sample.next_token_ids)
-        self.sampling.record(batch.req_slots, batch.seq_lens, sample.next_token_ids)
+        return self._sample(batch, logits, batch.batch_size, return_logits)
+
+    def _sample(
+        self, batch: ForwardBatch, logits: torch.Tensor, n: int, return_logits: bool
+    ) -> StepOutput:
+        """Samples the first `n` rows of `batch` (the rest are graph padding)."""
+        req_slots, seq_lens = batch.req_slots[:n], batch.seq_lens[:n]
+        slots_host = batch.req_slots_host[:n]
+        lens_host = batch.seq_lens_host[:n]
+        sample = self.sampler(logits, self.sampling, req_slots, seq_lens, slots_host, lens_host)
+        self.future_map.store(req_slots, sample.next_token_ids)
+        self.sampling.record(req_slots, seq_lens, sample.next_token_ids, slots_host, lens_host)
         return StepOutput(sample, logits if return_logits else None)
 
 
@@ -137,4 +299,4 @@ def _empty_output(device: torch.device) -> StepOutput:
     return StepOutput(SampleOutput(torch.zeros(0, dtype=torch.int64, device=device)))
 
 
-__all__ = ["ModelRunner", "StepOutput"]
+__all__ = ["ModelRunner", "PreparedStep", "StepOutput"]

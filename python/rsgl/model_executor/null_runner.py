@@ -49,6 +49,7 @@ class NullRunner:
         self, config: ModelConfig, *, max_running_requests: int, step_ms: float = 0.0, seed: int = 0
     ) -> None:
         self.config = config
+        self.device = torch.device("cpu")
         self.step_s = step_ms / 1000
         self._seed = np.uint64(seed & 0xFFFFFFFFFFFFFFFF)
         self._keys = np.zeros(max_running_requests, dtype=np.uint64)  # per request slot
@@ -68,6 +69,14 @@ class NullRunner:
         with np.errstate(over="ignore"):
             weights = _mix(np.arange(1, len(ids) + 1, dtype=np.uint64))
             self._keys[req_slot] = _mix(np.bitwise_xor.reduce(_mix(ids ^ weights)) ^ self._seed)
+
+    def prepare(self, plan: Plan) -> Plan:
+        """Nothing to copy: the plan is the input."""
+        return plan
+
+    def execute(self, plan: Plan) -> StepOutput:
+        """`step(plan)`."""
+        return self.step(plan)
 
     def step(self, plan: Plan) -> StepOutput:
         """One token per row of `plan` (the core ignores rows that do not sample)."""

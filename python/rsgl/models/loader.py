@@ -158,12 +158,16 @@ def load_model(
     dtype: torch.dtype | None = None,
     max_positions: int | None = None,
     pack_weights: bool | None = None,
+    load_format: str = "auto",
+    seed: int = 0,
 ) -> LoadedModel:
     """Load a model directory, a GGUF file, or (None) the embedded SmolLM2 default.
 
     `max_positions` bounds the rotary tables (default: the model's max_position_embeddings).
     `pack_weights` reorders float32 CPU projections for oneDNN (rsgl.layers.linear); by
     default on, unless the environment sets RSGL_ONEDNN=0 (to compare with `F.linear`).
+    `load_format="dummy"` (as SGLang's and vLLM's) reads only `config.json` and fills the
+    weights with seeded random values, so a Llama-3-8B-shaped benchmark needs no download.
     """
     if pack_weights is None:
         pack_weights = os.environ.get("RSGL_ONEDNN", "1") != "0"
@@ -178,13 +182,30 @@ def load_model(
         net = cls(config, positions)
     assert isinstance(net, LlamaForCausalLM)
     net = net.to_empty(device=device).to(dtype)
-    net.load_weights((name, t.to(dtype)) for name, t in iter_safetensors(model_dir))
+    if load_format == "dummy":
+        init_dummy_weights(net, seed)
+    else:
+        net.load_weights((name, t.to(dtype)) for name, t in iter_safetensors(model_dir))
     # Non-persistent buffers came out of to_empty uninitialised; rebuild them for real.
     net.rotary = type(net.rotary)(config.head_dim, positions, config.rope).to(device)
     net.eval()
     if pack_weights:
         net.pack_cpu_weights()
     return LoadedModel(net, config, model_dir, dtype, device)
+
+
+@torch.no_grad()
+def init_dummy_weights(net: torch.nn.Module, seed: int, std: float = 0.02) -> None:
+    """Seeded random weights: N(0, std) matrices and ones for norm scales, generated on the
+    model's device (an 8B model fills in a second on a GPU, not minutes on the host)."""
+    for name, param in sorted(net.named_parameters()):
+        generator = torch.Generator(device=param.device)
+        generator.manual_seed(seed + int(hashlib.sha256(name.encode()).hexdigest()[:8], 16))
+        if param.dim() == 1:
+            param.fill_(0.0 if name.endswith(".bias") else 1.0)
+        else:
+            values = torch.randn(param.shape, generator=generator, device=param.device)
+            param.copy_(values.mul_(std))
 
 
 def load_tokenizer(model_dir: str | os.PathLike[str]) -> Any:

@@ -1,11 +1,11 @@
 """The scheduling loop: rsgl._core plans, the model runner executes, Python streams results.
 
-One thread runs the loop; a second, the CPU "stream", executes launched steps in order (a
-single-worker executor). In overlap mode (default) the loop plans and launches step N+1
-before it reads step N's tokens, so Python/Rust scheduling and detokenization overlap the
-torch forward (torch releases the GIL in its ops). A decode input that is not on the host
-yet is a placeholder the runner resolves from its FutureMap. The core defers every free a
-still-running step could observe, so the loop never has to reason about that itself.
+One thread runs the loop; launched steps execute in order on a `StepExecutor`: a worker
+thread on CPU (torch releases the GIL in its ops), CUDA streams on a GPU. In overlap mode
+(default) the loop plans and launches step N+1 before it reads step N's tokens, so
+Python/Rust scheduling and detokenization overlap the forward. A decode input that is not
+on the host yet is a placeholder the runner resolves from its FutureMap. The core defers
+every free a still-running step could observe, so the loop never has to reason about it.
 
 The loop knows token ids, not text: after each step it emits one list of `TokenUpdate`s
 (new ids and typed finishes); `rsgl.tokenizer.output_processor` makes text of them, in this
@@ -19,13 +19,15 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+import torch
 
 from rsgl._core import FinishReason, Plan, Scheduler
+from rsgl.model_executor.executor import LaunchedStep, StepExecutor
 from rsgl.model_executor.model_runner import StepOutput
 from rsgl.outputs import TokenUpdate
 from rsgl.sampling_params import SamplingParams
@@ -43,7 +45,10 @@ Emit = Callable[[list[TokenUpdate]], None]
 
 
 class Runner(Protocol):
-    """What the loop asks of a model runner (`ModelRunner`, or `NullRunner` for no math)."""
+    """What the loop asks of a model runner (`ModelRunner`, or `NullRunner` for no math):
+    `prepare` a plan's inputs on the device, then `execute` them (see `StepExecutor`)."""
+
+    device: torch.device
 
     def admit(
         self,
@@ -53,7 +58,9 @@ class Runner(Protocol):
         output_ids: Sequence[int] = (),
     ) -> None: ...
 
-    def step(self, plan: Plan) -> StepOutput: ...
+    def prepare(self, plan: Plan) -> Any: ...
+
+    def execute(self, prepared: Any) -> StepOutput: ...
 
 
 @dataclass(slots=True)
@@ -73,7 +80,7 @@ class Request:
 @dataclass(slots=True)
 class _Launched:
     plan: Plan
-    result: Future[StepOutput]
+    result: LaunchedStep
 
 
 class StepFailed(RuntimeError):
@@ -100,6 +107,7 @@ class SchedulerLoop:
         emit: Emit,
         *,
         overlap: bool = True,
+        executor: StepExecutor | None = None,
     ) -> None:
         self.core = core
         self.runner = runner
@@ -109,7 +117,7 @@ class SchedulerLoop:
         self._requests: dict[int, Request] = {}
         self._by_rid: dict[str, int] = {}
         self._next_core_id = 0
-        self._stream = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rsgl-stream")
+        self._stream = executor or StepExecutor.for_device(runner.device)
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.error: BaseException | None = None
@@ -132,7 +140,7 @@ class SchedulerLoop:
             self._inbox.put(self._stop)
             self._thread.join()
             self._thread = None
-        self._stream.shutdown(wait=True)
+        self._stream.shutdown()
 
     def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
         """Runs `fn` on the loop thread and returns its result."""
@@ -270,7 +278,10 @@ class SchedulerLoop:
                 if plan.forward_mode != "idle":
                     admissions = self._admissions(plan)
                     fault = self._planted_fault(plan)
-                    result = self._stream.submit(self._execute, plan, admissions, fault)
+                    result = self._stream.launch(
+                        lambda p=plan: self.runner.prepare(p),  # type: ignore[misc]
+                        lambda prepared, a=admissions, f=fault: self._execute(prepared, a, f),  # type: ignore[misc]
+                    )
                     nxt = _Launched(plan, result)
                     self.steps += 1
                 if launched is not None:
@@ -307,7 +318,7 @@ class SchedulerLoop:
 
     def _execute(
         self,
-        plan: Plan,
+        prepared: Any,
         admissions: list[tuple[int, SamplingParams, list[int], list[int]]],
         fault: str | None = None,
     ) -> StepOutput:
@@ -316,12 +327,15 @@ class SchedulerLoop:
             self.runner.admit(slot, params, prompt_ids, output_ids)
         if fault is not None:
             raise InjectedFault(fault)
-        return self.runner.step(plan)
+        return self.runner.execute(prepared)
 
     def _fail_step(self, plan: Plan, exc: Exception) -> None:
-        """A step raised: its requests end with the error; nothing it wrote is kept."""
+        """A step raised: its requests end with the error; nothing it wrote is kept. An
+        error that leaves the device unusable (`is_fatal_step_error`) stops the loop at once."""
         self.step_failures += 1
         self._failures_in_a_row += 1
+        if self.is_fatal_step_error(exc):
+            raise StepFailed(f"step {plan.id} left the device unusable: {exc!r}") from exc
         if self._failures_in_a_row >= MAX_CONSECUTIVE_STEP_FAILURES:
             raise StepFailed(f"{self._failures_in_a_row} steps failed in a row") from exc
         core_ids = plan.rids.tolist()
@@ -348,12 +362,30 @@ class SchedulerLoop:
             updates.append(self._complete(req, reason, cached_tokens=f.cached_tokens))
         self.emit(updates)
 
+    @staticmethod
+    def is_fatal_step_error(exc: BaseException) -> bool:
+        """Whether a step's error (or one it was raised from) leaves the process unusable: a
+        CUDA error is sticky (a device-side assert poisons the context, and every later
+        kernel fails), so serving on would only fail every step after it."""
+        seen: set[int] = set()
+        cause: BaseException | None = exc
+        while cause is not None and id(cause) not in seen:
+            seen.add(id(cause))
+            if isinstance(cause, torch.AcceleratorError):
+                return True
+            if isinstance(cause, RuntimeError) and any(
+                mark in str(cause) for mark in ("CUDA error", "device-side assert")
+            ):
+                return True
+            cause = cause.__cause__ or cause.__context__
+        return False
+
     def _process(self, launched: _Launched) -> None:
         """Reads a step's tokens, commits them and emits what each request got."""
         try:
-            out = launched.result.result()
             # Inside the try: on a GPU, an error of the step's kernels surfaces here.
-            tokens = out.next_token_ids.cpu().numpy()
+            out = launched.result.result()
+            tokens = out.next_token_ids.numpy()
         except Exception as exc:  # noqa: BLE001 - isolated: only this step's requests fail
             self._fail_step(launched.plan, exc)
             return

@@ -63,6 +63,24 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] (rotated) -> output [T, Hq * D]."""
 
+    # CUDA graphs (rsgl.model_executor.cuda_graph_runner): a backend that sets this builds
+    # decode metadata with device-only ops into static buffers, so the graph's replay
+    # recomputes it from the static inputs.
+    supports_cuda_graph: bool = False
+
+    def init_cuda_graph_state(self, max_bs: int, max_context_len: int) -> None:
+        """Allocate the static metadata buffers for decode batches of up to `max_bs` rows."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def prepare_for_capture(self, batch: ForwardBatch) -> None:
+        """`prepare` for a decode batch of static buffers, with device-only operations (it
+        runs inside graph capture and again, as part of the graph, on every replay)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def prepare_for_replay(self, batch: ForwardBatch) -> None:
+        """Host-side work before replaying a graph for `batch` (already padded), if any."""
+        return None
+
     def forward_decode_qkv(
         self, qkv: torch.Tensor, cis: torch.Tensor, layer_id: int, batch: ForwardBatch
     ) -> torch.Tensor | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -80,8 +81,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         table = self.req_to_token.req_to_token
         device = table.device
         extends = []
-        starts = batch.extend_start_loc.tolist() if batch.num_extends else []
-        slots_host = batch.req_slots[: batch.num_extends].tolist()
+        # Host arrays only: on a GPU, reading a device tensor here would wait for the device.
+        starts = (np.cumsum(batch.extend_lens_host) - batch.extend_lens_host).tolist()
+        slots_host = batch.req_slots_host[: batch.num_extends].tolist()
         for i in range(batch.num_extends):
             prefix = int(batch.prefix_lens_host[i])
             extend = int(batch.extend_lens_host[i])

@@ -1,0 +1,139 @@
+"""Where launched steps run: one small interface, a worker thread on CPU, streams on CUDA.
+
+The loop launches step N+1 before it reads step N's tokens (overlap). A launch is two
+callables: `prepare` copies the step's inputs to the device and `execute` runs the forward
+and sampling; `result()` later hands back the step's output on the host. Steps execute in
+launch order on both implementations, so state the forward mutates (the KV cache,
+req_to_token, the FutureMap, per-slot sampling state) sees them one after another, and the
+loop never branches on the device.
+"""
+
+from __future__ import annotations
+
+import collections
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+if TYPE_CHECKING:
+    from rsgl.model_executor.model_runner import StepOutput
+
+P = TypeVar("P")
+
+
+class LaunchedStep(ABC):
+    """A step in flight."""
+
+    @abstractmethod
+    def result(self) -> StepOutput:
+        """Waits for the step; its output with every tensor on the host. Re-raises what the
+        step raised (on CUDA, also an error of its kernels)."""
+
+
+class StepExecutor(ABC):
+    """Runs launched steps in order, off the loop's critical path."""
+
+    @abstractmethod
+    def launch(self, prepare: Callable[[], P], execute: Callable[[P], StepOutput]) -> LaunchedStep:
+        """Starts `execute(prepare())`; returns at once (CPU) or once it is queued (CUDA)."""
+
+    def shutdown(self) -> None:
+        """Waits for launched steps and releases the executor's resources."""
+        return None
+
+    @staticmethod
+    def for_device(device: torch.device | str) -> StepExecutor:
+        """The executor for a runner on `device`."""
+        device = torch.device(device)
+        if device.type == "cuda":
+            return CudaStreamExecutor(device)
+        return ThreadExecutor()
+
+
+class _FutureStep(LaunchedStep):
+    def __init__(self, future: Future[StepOutput]) -> None:
+        self._future = future
+
+    def result(self) -> StepOutput:
+        return self._future.result()
+
+
+class ThreadExecutor(StepExecutor):
+    """The CPU "stream": one worker thread runs steps in launch order. torch releases the
+    GIL inside its ops, so the loop thread schedules step N+1 while step N computes."""
+
+    def __init__(self) -> None:
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rsgl-stream")
+
+    def launch(self, prepare: Callable[[], P], execute: Callable[[P], StepOutput]) -> LaunchedStep:
+        return _FutureStep(self._worker.submit(lambda: execute(prepare()).to_host()))
+
+    def shutdown(self) -> None:
+        self._worker.shutdown(wait=True)
+
+
+class _CudaStep(LaunchedStep):
+    def __init__(self, host: StepOutput, done: torch.cuda.Event) -> None:
+        self._host = host
+        self._done = done
+
+    def result(self) -> StepOutput:
+        self._done.synchronize()
+        return self._host
+
+
+class _FailedStep(LaunchedStep):
+    def __init__(self, error: Exception) -> None:
+        self._error = error
+
+    def result(self) -> StepOutput:
+        raise self._error
+
+
+class CudaStreamExecutor(StepExecutor):
+    """Steps are queued on the loop thread onto CUDA streams and run while the loop goes on.
+
+    `prepare` runs on the schedule stream (the device's current stream: pinned host-to-device
+    copies of the plan's arrays), `execute` on the forward stream after it waits for the
+    schedule stream. The sampled ids are copied to pinned host memory without blocking and
+    an event marks when they have landed; `result()` waits on that event only. The last two
+    launched steps stay referenced: tensors made on the schedule stream and read on the
+    forward stream must not return to the caching allocator while a queued kernel may still
+    read them (a step is two launches old only once the loop has read its result).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.schedule_stream = torch.cuda.current_stream(device)
+        self.forward_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        self._in_flight: collections.deque[tuple[Any, StepOutput]] = collections.deque(maxlen=2)
+
+    def launch(self, prepare: Callable[[], P], execute: Callable[[P], StepOutput]) -> LaunchedStep:
+        try:
+            with torch.cuda.stream(self.schedule_stream):
+                inputs = prepare()
+            self.forward_stream.wait_stream(self.schedule_stream)
+            with torch.cuda.stream(self.forward_stream):
+                out = execute(inputs)
+                host = out.to_host()
+                done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                done.record(self.forward_stream)
+        except Exception as exc:  # noqa: BLE001 - reported by result(), as on the CPU path
+            return _FailedStep(exc)
+        self._in_flight.append((inputs, out))
+        return _CudaStep(host, done)
+
+    def shutdown(self) -> None:
+        self.forward_stream.synchronize()
+        self._in_flight.clear()
+
+
+__all__ = [
+    "CudaStreamExecutor",
+    "LaunchedStep",
+    "StepExecutor",
+    "ThreadExecutor",
+]
