@@ -1,7 +1,9 @@
-"""Packages import only downward: `layers` uses neither `models` nor `model_executor`, and
-`models` uses `layers` but not `model_executor` (which uses both); the request types at the
-package root (what the frontend process loads) import none of them, nor torch. Imports under
-`if TYPE_CHECKING:` name types only and are allowed."""
+"""Packages import only downward. From the bottom: `layers`, then `models` (uses `layers`),
+`model_executor` (uses both), the `scheduler` loop (uses the executor), then the in-process
+`engine` and the `server` on top. `tokenizer` (the output path) imports neither the model
+code nor the loop. The request types at the package root (what the frontend process loads)
+import no model code, nor torch. Imports under `if TYPE_CHECKING:` name types only and are
+allowed."""
 
 from __future__ import annotations
 
@@ -12,10 +14,13 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "python" / "rsgl"
 
-# package -> the packages of these three it must not import at run time.
+# package -> the packages (or `engine`, a module) it must not import at run time.
 FORBIDDEN = {
     "layers": {"models", "model_executor"},
     "models": {"model_executor"},
+    "model_executor": {"scheduler", "server", "engine"},
+    "scheduler": {"server", "engine"},
+    "tokenizer": {"layers", "models", "model_executor", "scheduler"},
 }
 TORCH_FREE = ["sampling_params", "args", "errors", "validation", "outputs", "cache_dir"]
 
@@ -32,6 +37,8 @@ def runtime_imports(path: Path) -> set[str]:
             return
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module == "rsgl":
+            found.update(f"rsgl.{a.name}" for a in node.names)  # `from rsgl import engine`
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
         for child in ast.iter_child_nodes(node):
@@ -71,5 +78,6 @@ def test_the_checker_sees_a_violation(tmp_path: Path):
         "import torch\n"
         "if TYPE_CHECKING:\n    from rsgl.models.config import X\n"
         "def g():\n    from rsgl.model_executor import y\n"
+        "from rsgl import engine\n"
     )
-    assert runtime_imports(f) == {"typing", "torch", "rsgl.model_executor"}
+    assert runtime_imports(f) == {"typing", "torch", "rsgl.model_executor", "rsgl.engine"}
