@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import pytest
+from sglang_fields import SAMPLING_PARAMS_DEFAULTS, TOP_K_ALL
 
 from rsgl.errors import InvalidRequest
+from rsgl.sampling_params import SamplingParams
 from rsgl.validation import (
     RequestLimits,
     check_messages,
@@ -151,6 +154,71 @@ def test_chat_messages_need_known_roles_and_text_content() -> None:
 def test_repeated_ids_count_once() -> None:
     params, _ = make_sampling_params({"stop_token_ids": [5, 5, 6] * 40}, LIMITS, 10)
     assert params.stop_token_ids == [5, 6]
+
+
+def test_every_sglang_sampling_field_is_accepted_at_its_default() -> None:
+    raw = dict(SAMPLING_PARAMS_DEFAULTS, max_new_tokens=8)
+    params, n = make_sampling_params(raw, LIMITS, 10)
+    assert n == 1
+    # SGLang's defaults are rsgl's: its top_k default means the whole vocabulary.
+    ours = dataclasses.replace(SamplingParams(max_new_tokens=8), top_k=TOP_K_ALL)
+    assert params == ours
+
+
+def test_sampling_seed_is_an_alias_of_seed() -> None:
+    assert make_sampling_params({"sampling_seed": 7}, LIMITS, 10)[0].seed == 7
+    assert make_sampling_params({"sampling_seed": None}, LIMITS, 10)[0].seed is None
+    assert make_sampling_params({"seed": 7, "sampling_seed": 7}, LIMITS, 10)[0].seed == 7
+    assert make_sampling_params({"seed": 7, "sampling_seed": None}, LIMITS, 10)[0].seed == 7
+    assert param_of(make_sampling_params, {"sampling_seed": 1 << 64}, LIMITS, 10) == (
+        "sampling_seed"
+    )
+    assert param_of(make_sampling_params, {"sampling_seed": "7"}, LIMITS, 10) == "sampling_seed"
+    with pytest.raises(InvalidRequest, match="seed and sampling_seed name the same") as info:
+        make_sampling_params({"seed": 7, "sampling_seed": 8}, LIMITS, 10)
+    assert info.value.param == "sampling_seed"
+
+
+@pytest.mark.parametrize(
+    ("name", "unset", "value"),
+    [
+        ("json_schema", "", '{"type": "object"}'),
+        ("regex", "", "[a-z]+"),
+        ("ebnf", "", 'root ::= "a"'),
+        ("structural_tag", "", '{"type": "structural_tag"}'),
+        ("stop_regex", [], ["\\d+"]),
+        ("stop_regex", "", "\\d+"),
+        ("custom_params", {}, {"k": 1}),
+        ("beam_width", 1, 4),
+        ("beam_width", 1, True),  # a bool is not the integer 1
+        ("watermark", {}, {"enabled": True}),
+        ("stop_strs", [], ["x"]),
+        ("stop_regex_strs", [], ["x"]),
+        ("stop_str_max_len", 0, 3),
+        ("stop_regex_max_len", 0, 3),
+        ("is_normalized", False, True),
+        ("ebnf_full_assistant", False, True),
+    ],
+)
+def test_sglang_fields_for_what_rsgl_cannot_do_are_refused_only_when_set(
+    name: str, unset: Any, value: Any
+) -> None:
+    for nothing in (None, unset):
+        make_sampling_params({name: nothing}, LIMITS, 10)
+    with pytest.raises(InvalidRequest, match=f"{name} is not supported") as info:
+        make_sampling_params({name: value}, LIMITS, 10)
+    assert info.value.param == name
+
+
+def test_a_request_may_set_its_own_stream_interval() -> None:
+    assert make_sampling_params({"stream_interval": 4}, LIMITS, 10)[0].stream_interval == 4
+    for server_default in (None, 0):
+        params, _ = make_sampling_params({"stream_interval": server_default}, LIMITS, 10)
+        assert not params.stream_interval
+    for bad in (-1, 2.5, "2", True):
+        assert param_of(make_sampling_params, {"stream_interval": bad}, LIMITS, 10) == (
+            "stream_interval"
+        )
 
 
 # ------------------------------------------------------------------ expansion and prompts

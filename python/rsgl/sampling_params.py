@@ -69,6 +69,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     # Token ids whose log-probabilities are reported at every output position (SGLang).
     token_ids_logprob: list[int] = field(default_factory=list)
+    # Tokens per streamed chunk for this request; None or 0: the server's (or Engine's)
+    # --stream-interval, as SGLang reads its per-request `stream_interval`.
+    stream_interval: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -127,6 +130,8 @@ class SamplingParams:
             _bad("logit_bias", self.logit_bias, "must map token ids to finite numbers")
         if any(t < 0 for t in self.token_ids_logprob):
             _bad("token_ids_logprob", self.token_ids_logprob, "must be non-negative token ids")
+        if self.stream_interval is not None and not 0 <= self.stream_interval <= INT64_MAX:
+            _bad("stream_interval", self.stream_interval, "must be in [0, 2**63), or None")
 
 
 def _bad(name: str, value: object, rule: str) -> None:

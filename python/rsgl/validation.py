@@ -11,6 +11,7 @@ here may fail a step of the scheduling loop.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import uuid
 from collections.abc import Mapping, Sequence
@@ -213,7 +214,9 @@ def _join_text_parts(parts: list[Any], where: str) -> str:
 # ------------------------------------------------------------------------------- sampling
 
 # Accepted JSON types of each SamplingParams field (bool is never an int here).
-_INT_FIELDS = frozenset({"max_new_tokens", "top_k", "min_new_tokens", "top_logprobs_num"})
+_INT_FIELDS = frozenset(
+    {"max_new_tokens", "top_k", "min_new_tokens", "top_logprobs_num", "stream_interval"}
+)
 _BOOL_FIELDS = frozenset(
     {
         "ignore_eos",
@@ -224,8 +227,34 @@ _BOOL_FIELDS = frozenset(
     }
 )
 _PARAM_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
-# SGLang's aliases in sampling_params dicts.
-_ALIASES = {"logprobs": "return_logprob", "top_logprobs": "top_logprobs_num"}
+# Other names of SamplingParams fields in sampling_params dicts: OpenAI's logprob names, and
+# SGLang 0.5's name for the seed.
+_ALIASES = {
+    "logprobs": "return_logprob",
+    "top_logprobs": "top_logprobs_num",
+    "sampling_seed": "seed",
+}
+# The rest of SGLang 0.5's SamplingParams (sglang/srt/sampling/sampling_params.py): fields
+# for what rsgl cannot do, and SGLang's internal fields (which its own normalize() fills in).
+# Each is accepted at a value that asks for nothing -- null, or what SGLang itself treats
+# as unset -- and refused naming the field otherwise, so that a request never silently gets
+# less than it asked for. Name -> (the values meaning unset, why it is refused when set).
+UNSET_ONLY_SAMPLING_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "json_schema": ((None, ""), "no constrained decoding"),
+    "regex": ((None, ""), "no constrained decoding"),
+    "ebnf": ((None, ""), "no constrained decoding"),
+    "structural_tag": ((None, ""), "no constrained decoding"),
+    "stop_regex": ((None, "", []), "no stop regexes"),
+    "custom_params": ((None, {}), "no custom logit processors"),
+    "beam_width": ((None, 1), "no beam search"),
+    "watermark": ((None, {}), "no watermarking"),
+    "stop_strs": ((None, "", []), "SGLang-internal; give stop"),
+    "stop_regex_strs": ((None, "", []), "SGLang-internal; no stop regexes"),
+    "stop_str_max_len": ((None, 0), "SGLang-internal; give stop"),
+    "stop_regex_max_len": ((None, 0), "SGLang-internal; no stop regexes"),
+    "is_normalized": ((None, False), "SGLang-internal"),
+    "ebnf_full_assistant": ((None, False), "SGLang-internal; no constrained decoding"),
+}
 
 
 def make_sampling_params(
@@ -250,12 +279,19 @@ def make_sampling_params(
         raise InvalidRequest(f"n must be an integer in [1, {limits.max_n}], got {n!r}", "n")
     fields: dict[str, Any] = {}
     for key, value in values.items():
+        if key in UNSET_ONLY_SAMPLING_FIELDS:
+            _check_unset(key, value)
+            continue
         name = _ALIASES.get(key, key)
         if name not in _PARAM_KEYS:
             raise InvalidRequest(f"unknown sampling parameter {key!r}", key)
-        if value is None and name != "seed" and name != "max_new_tokens":
+        if value is None and name != "max_new_tokens":
             continue  # an explicit null means the default
-        fields[name] = _typed(name, key, value, limits)
+        value = _typed(name, key, value, limits)
+        if name in fields and not _json_equal(fields[name], value):
+            other = next(k for k in values if k != key and _ALIASES.get(k, k) == name)
+            raise InvalidRequest(f"{other} and {key} name the same parameter; give one", key)
+        fields[name] = value
     stop = fields.get("stop")
     if stop is not None:
         fields["stop"] = _check_stop(stop, limits)
@@ -290,6 +326,21 @@ def make_sampling_params(
     except InvalidRequest as exc:
         param = _key_of(exc.param, values) if exc.param else None
         raise InvalidRequest(exc.message, param) from exc
+
+
+def _check_unset(key: str, value: Any) -> None:
+    """Nothing if `value` leaves SGLang field `key` unset; InvalidRequest naming it else."""
+    unset, why = UNSET_ONLY_SAMPLING_FIELDS[key]
+    if not any(_json_equal(value, u) for u in unset):
+        shown = " or ".join(json.dumps(u) for u in unset)
+        raise InvalidRequest(
+            f"{key} is not supported by this server ({why}); leave it unset ({shown})", key
+        )
+
+
+def _json_equal(a: Any, b: Any) -> bool:
+    """`a == b` as JSON values: true and 1 differ, 1 and 1.0 do not."""
+    return isinstance(a, bool) == isinstance(b, bool) and a == b
 
 
 def _bounded_unique(ids: list[int], limit: int, param: str) -> list[int]:

@@ -11,22 +11,26 @@ import numpy as np
 import pytest
 
 from rsgl.engine import Engine
+from rsgl.scheduler.loop import MAX_CONSECUTIVE_STEP_FAILURES, StepFailed
 
 PROMPTS = 24
 BASELINE: dict[str, Any] = {"disable_overlap_schedule": True, "disable_radix_cache": True}
+# A pool too small for everyone's outputs: decode retracts requests and resumes them.
+RETRACTING: dict[str, Any] = {
+    "max_total_tokens": 400,
+    "chunked_prefill_size": 64,
+    "schedule_conservativeness": 0.05,
+}
 OPTIONS: dict[str, dict[str, Any]] = {
     "overlap": {},
     "radix": {"disable_overlap_schedule": True},
+    "no-radix": {"disable_radix_cache": True},
     "chunked": {"chunked_prefill_size": 16},
     "mixed": {"chunked_prefill_size": 16, "enable_mixed_chunk": True},
     "paged": {"page_size": 16},
     "small-batch": {"max_running_requests": 3},
-    # A pool too small for everyone's outputs: decode retracts requests and resumes them.
-    "retraction": {
-        "max_total_tokens": 400,
-        "chunked_prefill_size": 64,
-        "schedule_conservativeness": 0.05,
-    },
+    "retraction": RETRACTING,
+    "retraction-no-overlap": {**RETRACTING, "disable_overlap_schedule": True},
     "lpm": {"schedule_policy": "lpm"},
 }
 
@@ -87,9 +91,11 @@ def test_every_option_gives_the_baselines_outputs(name: str, baseline: list[dict
         for got, want in zip(outs, baseline, strict=True):
             assert (got["text"], got["output_ids"]) == (want["text"], want["output_ids"])
             assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
-    if name == "retraction":
+    if name.startswith("retraction"):
         assert stats["retractions"] > 0, "the pool was not small enough to retract"
-    if name != "retraction":
+    elif name == "no-radix":
+        assert stats["cached_tokens"] == 0, "a disabled prefix cache still matched"
+    else:
         assert stats["cached_tokens"] > 0, "the second round never met the prefix cache"
 
 
@@ -108,3 +114,57 @@ def test_a_stream_interval_streams_n_tokens_per_chunk() -> None:
     assert "".join(c["text"] for c in chunks) == whole["text"]
     with pytest.raises(ValueError, match="stream_interval"):
         Engine(load_format="null", stream_interval=0)
+
+
+def test_a_request_may_ask_for_its_own_stream_interval() -> None:
+    prompt = list(range(1000, 1010))
+    with Engine(load_format="null", stream_interval=4) as engine:
+        params = {"max_new_tokens": 10, "stream_interval": 3}
+        chunks = list(engine.generate(input_ids=prompt, sampling_params=params, stream=True))
+    sizes = [len(c["output_ids"]) for c in chunks]
+    assert all(s % 3 == 0 for s in sizes[:-1]) and sum(sizes) == 10
+    assert any(s % 4 for s in sizes[:-1]), sizes  # not the engine's interval
+
+
+def failure_of(out: dict[str, Any]) -> str:
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and reason["status_code"] == 500, reason
+    return str(reason["message"])
+
+
+def test_a_run_of_failed_steps_stops_the_loop_and_no_request_hangs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("RSGL_FAULT_INJECTION", "probability=1")
+    # Without overlap each request below is one step: the failures count one by one.
+    with Engine(load_format="null", disable_overlap_schedule=True) as engine:
+        for i in range(MAX_CONSECUTIVE_STEP_FAILURES - 1):
+            out = engine.generate(input_ids=[1000 + i, 2000], sampling_params={"max_new_tokens": 4})
+            assert "injected fault (random)" in failure_of(out)
+            assert engine._loop.error is None  # each failure is isolated so far
+        last = engine.generate(input_ids=[3000, 2000], sampling_params={"max_new_tokens": 4})
+        assert f"{MAX_CONSECUTIVE_STEP_FAILURES} steps failed in a row" in failure_of(last)
+        assert isinstance(engine._loop.error, StepFailed)
+        assert engine._loop.step_failures == MAX_CONSECUTIVE_STEP_FAILURES
+        # The loop is gone: a new request is an error at once, not a wait.
+        with pytest.raises(RuntimeError, match="the engine loop is not running: StepFailed"):
+            engine.generate(input_ids=[1000], sampling_params={"max_new_tokens": 4})
+
+
+def test_a_cuda_error_stops_the_loop_at_its_first_step() -> None:
+    with Engine(load_format="null") as engine:
+        engine.generate(input_ids=[1000, 2000], sampling_params={"max_new_tokens": 4})
+
+        def device_assert(prepared: Any) -> Any:
+            raise RuntimeError("CUDA error: device-side assert triggered")
+
+        engine._loop.runner.execute = device_assert  # type: ignore[method-assign]
+        outs = engine.generate(
+            input_ids=[[1000, 3000], [1000, 4000]], sampling_params={"max_new_tokens": 4}
+        )
+        for out in outs:
+            assert "left the device unusable" in failure_of(out)
+        assert isinstance(engine._loop.error, StepFailed)
+        assert engine._loop.step_failures == 1
+        with pytest.raises(RuntimeError, match="not running"):
+            engine.generate(input_ids=[1000], sampling_params={"max_new_tokens": 4})

@@ -20,6 +20,8 @@ import pytest
 from launcher import launch, stop
 from prometheus_client.parser import text_string_to_metric_families
 
+from rsgl.scheduler.loop import MAX_CONSECUTIVE_STEP_FAILURES
+
 MODEL = "SmolLM2-135M-Instruct"
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -375,6 +377,77 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
     assert "draining" in log_path.read_text()
+
+
+def test_a_drain_past_its_timeout_aborts_the_stream_and_exits_0(tmp_path: Path) -> None:
+    log_path = tmp_path / "server.log"
+    # The null model at 20 ms a step: the request below would stream for minutes.
+    flags = ("--load-format", "null", "--null-step-ms", "20", "--graceful-shutdown-timeout", "1")
+    proc, url = launch(log_path, *flags)
+    try:
+        body = {
+            "input_ids": [1000, 2000, 3000],
+            "sampling_params": {"max_new_tokens": 6000, "ignore_eos": True},
+            "stream": True,
+        }
+
+        async def scenario() -> tuple[list[str], float]:
+            async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+                lines: list[str] = []
+                async with c.stream("POST", "/generate", json=body) as r:
+                    it = r.aiter_lines()
+                    while not (line := await anext(it)).startswith("data: {"):
+                        pass
+                    lines.append(line)
+                    signalled = time.monotonic()
+                    proc.send_signal(signal.SIGTERM)
+                    async for line in it:
+                        if line:
+                            lines.append(line)
+                return lines, time.monotonic() - signalled
+
+        lines, took = asyncio.run(scenario())
+        assert lines[-1] == "data: [DONE]"
+        events = [json.loads(x[6:]) for x in lines[:-1]]
+        err = events[-1]["error"]
+        assert err["code"] == 503 and "shutting down" in err["message"], err
+        generated = events[-2]["meta_info"]["completion_tokens"]
+        assert 0 < generated < 6000 and events[-2]["meta_info"]["finish_reason"] is None
+        assert 1 <= took < 30  # cut off at the drain timeout, not at the end of the request
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = log_path.read_text()
+    assert "draining 1 requests (at most 1 s)" in log
+    assert "aborting 1 requests still running" in log
+
+
+def test_a_run_of_failed_steps_stops_the_server_non_zero_and_says_why(tmp_path: Path) -> None:
+    log_path = tmp_path / "server.log"
+    # Every step fails: requests get a 500 each, until MAX_CONSECUTIVE_STEP_FAILURES in a row
+    # tell the loop that the model state is broken.
+    env = {"RSGL_FAULT_INJECTION": "probability=1"}
+    proc, url = launch(log_path, "--load-format", "null", env=env)
+    statuses: list[int] = []
+    try:
+        body = {"input_ids": [1000, 2000], "sampling_params": {"max_new_tokens": 4}}
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                statuses.append(httpx.post(f"{url}/generate", json=body, timeout=30).status_code)
+            except httpx.HTTPError:
+                time.sleep(0.2)  # the server is going down
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = log_path.read_text()
+    assert code != 0, log
+    assert statuses and statuses[0] == 500, statuses
+    assert len(statuses) <= MAX_CONSECUTIVE_STEP_FAILURES + 1, statuses
+    assert f"StepFailed: {MAX_CONSECUTIVE_STEP_FAILURES} steps failed in a row" in log
+    assert "the scheduler process exited unexpectedly (exit code 1)" in log
 
 
 def test_abort_request_aborts_exactly_the_named_request(server: str) -> None:

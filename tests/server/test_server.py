@@ -289,6 +289,17 @@ def test_sglang_info_load_and_tokenize_endpoints(server: str, client: openai.Ope
     assert model == get("/get_model_info")
     assert model["is_generation"] is True
     assert model["model_type"] == "llama" and model["architectures"] == ["LlamaForCausalLM"]
+    # Where the model and tokenizer come from (no --model-path: the embedded SmolLM2), and
+    # the sizes a router or client plans with.
+    assert Path(info["model_path"], "config.json").is_file()
+    assert info["tokenizer_path"] == info["model_path"] == model["model_path"]
+    assert model["tokenizer_path"] == info["tokenizer_path"]
+    assert info["max_running_requests"] == 256  # the default
+    assert info["context_length"] == 8192  # SmolLM2's max_position_embeddings
+    (listed,) = get("/v1/models")["data"]
+    assert listed["id"] == info["served_model_name"]
+    assert listed["root"] == info["model_path"]
+    assert listed["max_model_len"] == info["context_length"]
     (load,) = get("/get_load")
     assert set(load) == {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}
     assert load["num_reqs"] >= load["num_waiting_reqs"] >= 0

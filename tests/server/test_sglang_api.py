@@ -14,6 +14,7 @@ import openai
 import pytest
 from launcher import launch, stop
 from prometheus_client.parser import text_string_to_metric_families
+from sglang_fields import GENERATE_REQ_INPUT_DEFAULTS, SAMPLING_PARAMS_DEFAULTS
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -225,6 +226,87 @@ def test_what_rsgl_cannot_do_is_a_400_naming_the_field(server: str, field: str, 
     assert generate(server, body, 400)["error"]["param"] == field
     # The same field, null or false (what SGLang's clients send by default), is accepted.
     assert generate(server, dict(body, **{field: None}))[0]["meta_info"]
+
+
+def test_every_generate_req_input_field_is_accepted_at_its_default(server: str) -> None:
+    """SGLang 0.5.23's whole GenerateReqInput (tests/sglang_fields.py), each field at its
+    default, answers as the bare request does."""
+    params = greedy(4, ignore_eos=True)
+    bare = generate(server, {"text": PROMPTS[0], "sampling_params": params})
+    full = generate(
+        server, dict(GENERATE_REQ_INPUT_DEFAULTS, text=PROMPTS[0], sampling_params=params)
+    )
+    assert full["output_ids"] == bare["output_ids"] and full["text"] == bare["text"]
+    # A batch may give these fields once per prompt: a list of nulls (or falses) is unset.
+    per_prompt = {name: [None, None] for name in PER_PROMPT_CAPABILITIES}
+    per_prompt["return_hidden_states"] = [False, False]
+    batch = dict(GENERATE_REQ_INPUT_DEFAULTS, text=PROMPTS, sampling_params=params, **per_prompt)
+    assert [o["output_ids"] for o in generate(server, batch)][0] == bare["output_ids"]
+    for name in PER_PROMPT_CAPABILITIES:
+        one_set = dict(batch, **{name: [None, "x"]})
+        assert generate(server, one_set, 400)["error"]["param"] == name
+
+
+# GenerateReqInput's capability fields that SGLang takes once per prompt of a batch.
+PER_PROMPT_CAPABILITIES = (
+    "lora_path",
+    "lora_id",
+    "custom_logit_processor",
+    "image_data",
+    "bootstrap_host",
+    "bootstrap_room",
+    "extra_key",
+    "cache_salt",
+    "kv_hints",
+)
+
+
+def test_every_sglang_sampling_field_is_accepted_at_its_default(server: str) -> None:
+    """SGLang 0.5.23's whole SamplingParams, each field at its default (`sampling_seed` set,
+    to compare): the same tokens as rsgl's own defaults with the same `seed`."""
+    prompt = "Once upon a time"
+    sglang = dict(SAMPLING_PARAMS_DEFAULTS, max_new_tokens=8, ignore_eos=True, sampling_seed=11)
+    ours = {"max_new_tokens": 8, "ignore_eos": True, "seed": 11}
+    outs = []
+    for params in (sglang, ours):
+        # Each from an empty prefix cache: a cached prefix moves the logits a little, and a
+        # sampled (temperature 1) token may flip with them.
+        assert httpx.post(f"{server}/flush_cache", timeout=30).status_code == 200
+        outs.append(generate(server, {"text": prompt, "sampling_params": params})["output_ids"])
+    assert outs[0] == outs[1] and len(outs[0]) == 8
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("json_schema", '{"type": "object"}'),
+        ("regex", "[0-9]+"),
+        ("ebnf", 'root ::= "yes"'),
+        ("structural_tag", '{"type": "structural_tag"}'),
+        ("stop_regex", ["[0-9]"]),
+        ("custom_params", {"bias": 1}),
+        ("beam_width", 2),
+    ],
+)
+def test_sglang_sampling_fields_rsgl_cannot_honour_are_400s_naming_them(
+    server: str, field: str, value: Any
+) -> None:
+    err = generate(server, {"text": "Hi", "sampling_params": greedy(1, **{field: value})}, 400)
+    assert err["error"]["param"] == field and "not supported" in err["error"]["message"]
+    batch = {"text": PROMPTS, "sampling_params": [greedy(1), greedy(1, **{field: value})]}
+    assert generate(server, batch, 400)["error"]["param"] == field
+    # Unset as SGLang's clients send it: null, or the empty value SGLang reads as unset.
+    unset = {"beam_width": 1, "custom_params": {}, "stop_regex": []}.get(field, "")
+    for nothing in (None, unset):
+        assert generate(server, {"text": "Hi", "sampling_params": greedy(1, **{field: nothing})})
+
+
+def test_a_request_may_set_its_own_stream_interval(server: str) -> None:
+    body = {"text": "Count:", "sampling_params": greedy(10, ignore_eos=True, stream_interval=4)}
+    counts = [e["meta_info"]["completion_tokens"] for e in stream_events(server, body)]
+    # Chunks of 4 tokens (8 at once for a reader that fell behind), the rest with the finish;
+    # the server's own interval (1) would send up to 10 chunks.
+    assert counts[-1] == 10 and set(counts[:-1]) <= {4, 8}
 
 
 def test_return_prompt_token_ids_echoes_each_choices_prompt(server: str) -> None:

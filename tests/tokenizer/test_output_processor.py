@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -11,7 +12,13 @@ from rsgl._core import FinishReason
 from rsgl.models.loader import resolve_model_dir
 from rsgl.outputs import Output, TokenUpdate, merge
 from rsgl.sampling_params import SamplingParams
-from rsgl.tokenizer.output_processor import OutputProcessor, OutputQueue, RequestRecord
+from rsgl.server.frontend import STREAM_BACKLOG_LIMIT
+from rsgl.tokenizer.output_processor import (
+    MAX_WAITING_OUTPUTS,
+    OutputProcessor,
+    OutputQueue,
+    RequestRecord,
+)
 
 
 @pytest.fixture(scope="module")
@@ -206,6 +213,99 @@ def test_an_interval_queue_wakes_its_consumer_every_n_tokens():
     assert [c.meta for c in chunks] == [None, None, {"id": "x"}]
     with pytest.raises(ValueError, match="interval"):
         OutputQueue(interval=0)
+
+
+def test_a_requests_own_stream_interval_overrides_the_queues(tokenizer: Any):
+    h = Harness(tokenizer)
+    h.add("a", [], stream_interval=3)
+    h.add("b", [], stream_interval=0)  # 0: the queue's own (1 here)
+    ids = tokenizer.encode(" one two three four five six seven")[:7]
+    for rid, sizes in (("a", [3, 3, 1]), ("b", [1] * 7)):
+        chunks, it = [], iter(h.queues[rid])
+        for i, t in enumerate(ids):
+            finish = FinishReason.max_length(len(ids)) if i == len(ids) - 1 else None
+            h.processor.process([TokenUpdate(rid, [t], finish=finish)])
+            if h.queues[rid].qsize():  # the consumer keeps up
+                chunks.append(next(it))
+        assert [len(c.token_ids) for c in chunks] == sizes
+    whole = OutputQueue(stream=False)
+    whole.use_interval(3)  # a whole-result queue still wakes once
+    for t in ids[:-1]:
+        whole.put(Output("x", [t]))
+    assert whole.qsize() == 0
+
+
+def stalled_stream(q: OutputQueue, steps: int) -> None:
+    """`steps` one-token outputs, then the last one, to a consumer that reads none of them."""
+    entries = [{"token_id": t, "logprob": -1.0} for t in range(steps + 1)]
+    for t in range(steps):
+        q.put(Output(f"<{t}>", [t], logprobs=entries[t : t + 1]))
+        assert q.qsize() <= MAX_WAITING_OUTPUTS
+    q.put(Output("<end>", [steps], {"id": "x"}, entries[steps:]))
+
+
+def check_delivery(chunks: list[Output], steps: int) -> None:
+    """Nothing lost, nothing reordered, and the last output is last."""
+    whole = merge(chunks)
+    assert whole.token_ids == list(range(steps + 1))
+    assert whole.text == "".join(f"<{t}>" for t in range(steps)) + "<end>"
+    assert [e["token_id"] for e in whole.logprobs or []] == whole.token_ids
+    assert whole.meta == {"id": "x"} and all(c.meta is None for c in chunks[:-1])
+
+
+def test_a_stalled_consumers_queue_stops_growing_at_its_cap():
+    steps = 10 * MAX_WAITING_OUTPUTS
+    q = OutputQueue()
+    stalled_stream(q, steps)
+    assert q.qsize() == MAX_WAITING_OUTPUTS + 1
+    chunks = list(q)
+    assert len(chunks) == 1  # all waiting: merged into one when the consumer comes back
+    check_delivery(chunks, steps)
+    # The queue itself: at most the cap, then what came after it merged into one output.
+    q = OutputQueue()
+    stalled_stream(q, steps)
+    waiting = [q._sync.get() for _ in range(q.qsize())]  # type: ignore[union-attr]
+    assert len(waiting) == MAX_WAITING_OUTPUTS + 1
+    assert [len(o.token_ids) for o in waiting[:-1]] == [1] * MAX_WAITING_OUTPUTS
+    assert len(waiting[-1].token_ids) == steps + 1 - MAX_WAITING_OUTPUTS
+    check_delivery(waiting, steps)
+
+
+def test_a_held_output_goes_in_once_the_consumer_makes_room():
+    q = OutputQueue()
+    it = iter(q)
+    for t in range(MAX_WAITING_OUTPUTS + 5):
+        q.put(Output(f"<{t}>", [t]))
+    assert next(it).token_ids == list(range(MAX_WAITING_OUTPUTS))
+    q.put(Output(f"<{MAX_WAITING_OUTPUTS + 5}>", [MAX_WAITING_OUTPUTS + 5]))
+    # The five held back and the new one, in order, as one output.
+    assert next(it).token_ids == list(range(MAX_WAITING_OUTPUTS, MAX_WAITING_OUTPUTS + 6))
+
+
+@pytest.mark.parametrize("threadsafe", [False, True])
+def test_an_asyncio_queue_is_bounded_too(threadsafe: bool):
+    steps = 4 * MAX_WAITING_OUTPUTS
+
+    async def run() -> tuple[int, list[Output]]:
+        loop = asyncio.get_running_loop()
+        q = OutputQueue(loop, threadsafe=threadsafe)
+        if threadsafe:  # fed from another thread, as the Engine feeds async_generate
+            await loop.run_in_executor(None, stalled_stream, q, steps)
+            for _ in range(100):  # the hand-overs run on this loop
+                await asyncio.sleep(0.01)
+        else:
+            stalled_stream(q, steps)
+        size = q.qsize()
+        return size, [o async for o in q]
+
+    size, chunks = asyncio.run(run())
+    assert size == MAX_WAITING_OUTPUTS + 1
+    check_delivery(chunks, steps)
+
+
+def test_the_stall_clock_starts_below_the_queues_cap():
+    # A stalled stream's queue stays at the cap; it must count as stalled there.
+    assert STREAM_BACKLOG_LIMIT < MAX_WAITING_OUTPUTS
 
 
 def test_each_output_carries_the_logprobs_of_its_own_tokens(tokenizer: Any):

@@ -35,6 +35,8 @@ FLUSH_TIMEOUT_S = 30.0
 # How often deadlines and stalled streams are looked at.
 TIMER_INTERVAL_S = 0.25
 # Updates a streaming request may have waiting for its client before the stall clock starts.
+# Below OutputQueue's hard cap (MAX_WAITING_OUTPUTS): a stalled queue stays at the cap, later
+# updates merged into one, until the stall timeout aborts the request.
 STREAM_BACKLOG_LIMIT = 64
 
 

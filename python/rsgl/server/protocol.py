@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from rsgl.sampling_params import FLOAT32_MAX, INT64_MAX, SEED_MAX, SEED_MIN, SamplingParams
-from rsgl.validation import CHAT_ROLES, MAX_LOGIT_BIAS
+from rsgl.validation import CHAT_ROLES, MAX_LOGIT_BIAS, UNSET_ONLY_SAMPLING_FIELDS
 
 # JSON Schema bounds of each sampling field, as rsgl.validation enforces them.
 FLOAT32 = {"minimum": -FLOAT32_MAX, "maximum": FLOAT32_MAX}
@@ -48,6 +48,11 @@ BOUNDS: dict[str, dict[str, Any]] = {
         },
     },
     "priority": INT64,
+    "stream_interval": {
+        "minimum": 0,
+        "maximum": INT64_MAX,
+        "description": "tokens per streamed chunk; null or 0: the server's --stream-interval",
+    },
 }
 
 
@@ -95,6 +100,12 @@ def native_sampling_schema() -> dict[str, Any]:
     }
     properties["logprobs"] = {"type": "boolean", "description": "alias of return_logprob"}
     properties["top_logprobs"] = {**properties["top_logprobs_num"], "description": "alias"}
+    properties["sampling_seed"] = {**properties["seed"], "description": "alias of seed"}
+    for name, (unset, why) in UNSET_ONLY_SAMPLING_FIELDS.items():
+        properties[name] = {
+            "anyOf": [{"const": value} for value in unset],
+            "description": f"SGLang's; accepted only unset ({why})",
+        }
     return {"type": "object", "properties": properties, "additionalProperties": False}
 
 

@@ -28,6 +28,14 @@ from rsgl.tokenizer.detokenizer import ByteTable, Decoder, IncrementalDetokenize
 logger = logging.getLogger(__name__)
 
 
+# Outputs a queue holds for a consumer that has fallen behind. What comes beyond them is
+# merged into one held output (its text joined, its ids and logprobs appended), which goes
+# in with the next output that finds room, or with the last one: a stalled stream costs a
+# bounded number of objects, and no more text than its request may generate. The server's
+# frontend starts its stall clock below this (`rsgl.server.frontend.STREAM_BACKLOG_LIMIT`).
+MAX_WAITING_OUTPUTS = 128
+
+
 class OutputQueue:
     """One request's outputs on their way to its consumer.
 
@@ -42,6 +50,9 @@ class OutputQueue:
     keeps millions of short-lived outputs away from the garbage collector). A streaming
     consumer may likewise ask to wake once per `interval` tokens (SGLang's
     `--stream-interval`); the last output always comes at once.
+
+    At most MAX_WAITING_OUTPUTS outputs wait in the queue, plus the last one (the asyncio
+    queue is bounded to that): a consumer that stops reading gets the rest merged.
     """
 
     def __init__(
@@ -58,39 +69,61 @@ class OutputQueue:
         self.threadsafe = threadsafe
         # Tokens to gather before the consumer wakes; None: only at the end.
         self.interval: int | None = interval if stream else None
-        # The pieces gathered so far (strings and ints, which the garbage collector does not
-        # track), when outputs are gathered at all.
-        self._texts: list[str] | None = None if self.interval == 1 else []
-        self._ids: list[int] = []
-        self._logprobs: list[dict[str, Any]] | None = None
+        # The pieces gathered for the next wake-up, when outputs are gathered at all.
+        self._gathered: _Gathered | None = None if self.interval == 1 else _Gathered()
+        # What the consumer has not had room for (see MAX_WAITING_OUTPUTS); touched only
+        # where outputs enter the queue (the loop's thread for an asyncio queue).
+        self._held: _Gathered | None = None
         self._sync: queue.SimpleQueue[Output] | None = None
         self._aio: asyncio.Queue[Output] | None = None
         if aio_loop is None:
             self._sync = queue.SimpleQueue()
         else:
-            self._aio = asyncio.Queue()
+            self._aio = asyncio.Queue(maxsize=MAX_WAITING_OUTPUTS + 1)
+
+    def use_interval(self, interval: int) -> None:
+        """From now on a streaming queue wakes its consumer once per `interval` tokens (a
+        request's own stream_interval); a whole-result queue still wakes it once. Called
+        before the first output."""
+        if interval < 1:
+            raise ValueError(f"interval must be >= 1, got {interval}")
+        if self.interval is not None:
+            self.interval = interval
+            self._gathered = None if interval == 1 else _Gathered()
 
     def put(self, output: Output) -> None:
-        if self._texts is not None:
-            self._texts.append(output.text)
-            self._ids.extend(output.token_ids)
-            if output.logprobs is not None:
-                self._logprobs = [] if self._logprobs is None else self._logprobs
-                self._logprobs.extend(output.logprobs)
-            if output.meta is None and (self.interval is None or len(self._ids) < self.interval):
+        gathered = self._gathered
+        if gathered is not None:
+            gathered.add(output)
+            if output.meta is None and (self.interval is None or len(gathered.ids) < self.interval):
                 return
-            output = Output("".join(self._texts), self._ids, output.meta, self._logprobs)
-            self._texts, self._ids, self._logprobs = [], [], None
-        if self._sync is not None:
-            self._sync.put(output)
+            output = gathered.take(output.meta)
+        if self._aio is None or not self.threadsafe:
+            self._enqueue(output)
             return
-        assert self._aio is not None and self.aio_loop is not None
-        if not self.threadsafe:
-            self._aio.put_nowait(output)
-        elif not self.aio_loop.is_closed():  # else the consumer is gone with its loop
+        assert self.aio_loop is not None
+        if not self.aio_loop.is_closed():  # else the consumer is gone with its loop
             # RuntimeError: closed between the check and the call.
             with contextlib.suppress(RuntimeError):
-                self.aio_loop.call_soon_threadsafe(self._aio.put_nowait, output)
+                self.aio_loop.call_soon_threadsafe(self._enqueue, output)
+
+    def _enqueue(self, output: Output) -> None:
+        """Into the queue, or held while MAX_WAITING_OUTPUTS wait there. Runs where the queue
+        is fed (so nothing else adds to it meanwhile); the last output always goes in."""
+        full = output.meta is None and self.qsize() >= MAX_WAITING_OUTPUTS
+        if full or self._held is not None:
+            if self._held is None:
+                self._held = _Gathered()
+            self._held.add(output)
+            if full:
+                return
+            output = self._held.take(output.meta)
+            self._held = None
+        if self._sync is not None:
+            self._sync.put(output)
+        else:
+            assert self._aio is not None
+            self._aio.put_nowait(output)
 
     def qsize(self) -> int:
         """Outputs waiting for the consumer."""
@@ -114,6 +147,31 @@ class OutputQueue:
             yield output
             if output.meta is not None:
                 return
+
+
+class _Gathered:
+    """Outputs merged as they come: texts kept to be joined once, ids and logprobs appended
+    (strings and ints, which the garbage collector does not track)."""
+
+    __slots__ = ("ids", "logprobs", "texts")
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.ids: list[int] = []
+        self.logprobs: list[dict[str, Any]] | None = None
+
+    def add(self, output: Output) -> None:
+        self.texts.append(output.text)
+        self.ids.extend(output.token_ids)
+        if output.logprobs is not None:
+            self.logprobs = [] if self.logprobs is None else self.logprobs
+            self.logprobs.extend(output.logprobs)
+
+    def take(self, meta: dict[str, Any] | None) -> Output:
+        """The gathered outputs as one (ending with `meta`); empty again afterwards."""
+        out = Output("".join(self.texts), self.ids, meta, self.logprobs)
+        self.texts, self.ids, self.logprobs = [], [], None
+        return out
 
 
 def _merge_waiting(
@@ -190,6 +248,8 @@ class OutputProcessor:
         if record.rid in self.records:
             raise ValueError(f"request id {record.rid!r} is already in use")
         p = record.params
+        if p.stream_interval:
+            record.queue.use_interval(p.stream_interval)
         record.detok = IncrementalDetokenizer(
             self.decode,
             record.prompt_ids,

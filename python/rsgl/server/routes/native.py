@@ -124,10 +124,18 @@ async def generate(req: GenerateRequest, request: Request, st: State) -> Any:
 def _refuse_unsupported(req: GenerateRequest) -> None:
     extra = req.model_extra or {}
     for name in UNSUPPORTED_GENERATE_FIELDS:
-        if extra.get(name) not in (None, False, [], {}):
+        if not _unset(extra.get(name)):
             raise bad_request(f"{name} is not supported by this server", name)
     if extra:
         logger.debug("/generate: ignoring unknown fields %s", sorted(extra))
+
+
+def _unset(value: Any) -> bool:
+    """Whether a GenerateReqInput field asks for nothing: null, false, empty, or a batch's
+    list of one such value per prompt (`lora_path: [null, null]`)."""
+    if isinstance(value, list):
+        return all(_unset(v) for v in value)
+    return value is None or value is False or value == {}
 
 
 def _prompts(st: ServerState, req: GenerateRequest) -> tuple[list[list[int]], bool]:
