@@ -57,7 +57,8 @@ def test_typed_values_choices_switches_and_aliases_parse():
 
 
 @pytest.mark.parametrize(
-    "argv", [["--schedule-policy", "best"], ["--port", "eighty"], ["--load-format", "dummy"]]
+    "argv",
+    [["--schedule-policy", "best"], ["--port", "eighty"], ["--load-format", "safetensors-please"]],
 )
 def test_a_bad_value_is_an_argparse_error(argv: list[str], capsys: pytest.CaptureFixture[str]):
     with pytest.raises(SystemExit):
