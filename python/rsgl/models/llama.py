@@ -33,7 +33,11 @@ _PAIR_INTERLEAVED = (".q_proj.", ".k_proj.", ".q_norm.", ".k_norm.")
 
 
 class LlamaAttention(nn.Module):
-    """Fused QKV projection, optional q/k RMSNorm (Qwen3), rotary, backend attention, o_proj."""
+    """Fused QKV projection, optional q/k RMSNorm (Qwen3), rotary, backend attention, o_proj.
+
+    On CUDA the rotary is one Triton kernel that rotates q and k in place in the projection's
+    output (`rsgl.layers.triton_kernels`), unless `use_triton` is off.
+    """
 
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -49,6 +53,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.use_triton = True
 
     def shard_sizes(self) -> list[int]:
         return [self.q_size, self.kv_size, self.kv_size]
@@ -68,7 +73,22 @@ class LlamaAttention(nn.Module):
                 decoded: torch.Tensor = self.o_proj(fused)
                 return decoded
         v = qkv[:, self.q_size + self.kv_size :].view(t, kv_heads, dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        if qkv.is_cuda and self.use_triton:
+            from rsgl.layers import triton_kernels
+
+            if self.q_norm is not None and self.k_norm is not None:
+                q = self.q_norm(qkv[:, : self.q_size].view(t, heads, dim))
+                k = self.k_norm(
+                    qkv[:, self.q_size : self.q_size + self.kv_size].view(t, kv_heads, dim)
+                )
+                triton_kernels.rotary_qk(q, cis)
+                triton_kernels.rotary_qk(k, cis)
+            else:
+                # Rotated in place: the projection's output is this layer's own buffer.
+                qk = qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, dim)
+                triton_kernels.rotary_qk(qk, cis)
+                q, k = qk[:, :heads], qk[:, heads:]
+        elif self.q_norm is not None and self.k_norm is not None:
             q = apply_rotary(self.q_norm(qkv[:, : self.q_size].view(t, heads, dim)), cis)
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, kv_heads, dim))
             k = apply_rotary(k, cis)
@@ -82,13 +102,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU with the gate and up projections fused into one matmul."""
+    """SwiGLU with the gate and up projections fused into one matmul; the activation is one
+    fused kernel on CPU in float32 (C) and on CUDA (Triton, unless `use_triton` is off)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.use_triton = True
 
     def shard_sizes(self) -> list[int]:
         return [self.intermediate_size, self.intermediate_size]
@@ -96,7 +118,11 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         kernels = load_cpu_kernels() if gate_up.device.type == "cpu" else None
-        if kernels is not None and gate_up.dtype == torch.float32:
+        if gate_up.is_cuda and self.use_triton:
+            from rsgl.layers import triton_kernels
+
+            act = triton_kernels.silu_mul(gate_up)
+        elif kernels is not None and gate_up.dtype == torch.float32:
             act = kernels.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
@@ -184,6 +210,13 @@ class LlamaForCausalLM(nn.Module):
             logits: torch.Tensor = self.packed_lm_head(hidden)
             return logits
         return F.linear(hidden, self.lm_head_weight())
+
+    def set_triton_kernels(self, enabled: bool) -> None:
+        """Turn the CUDA path's fused Triton kernels (norms, SwiGLU, rotary) on or off; off
+        runs the eager torch ops, to compare against."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, LlamaAttention, LlamaMLP)):
+                module.use_triton = enabled
 
     def pack_cpu_weights(self) -> None:
         """Reorder every projection and the LM head into oneDNN's layout (float32 CPU only;
