@@ -39,7 +39,7 @@ $PY -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | t
 tests_rc=skipped
 if [ "$STAGE" = tests ] || [ "$STAGE" = all ]; then
     $PY -m pytest -q -p no:cacheprovider -rs tests/gpu tests/model/test_sampler.py \
-        tests/model/test_triton_attention.py --junitxml="$OUT/gpu_tests.xml" 2>&1 \
+        tests/model/test_triton_attention.py tests/model/test_triton_kernels.py --junitxml="$OUT/gpu_tests.xml" 2>&1 \
         | tee "$OUT/gpu_tests.log"
     tests_rc=${PIPESTATUS[0]}
 fi
@@ -55,7 +55,8 @@ if [ "$STAGE" = bench ] || [ "$STAGE" = all ]; then
     if [ -n "${RSGL_GPU_TEST_MODEL:-}" ]; then
         $PY -m rsgl bench offline --device cuda --load-format dummy \
             --model-path "$RSGL_GPU_TEST_MODEL" --num-prompts 512 --input-len 128 \
-            --output-len 256 --max-running-requests 256 2> >(tail -5 >&2) \
+            --output-len 256 --max-running-requests 256 --cuda-graph-max-bs 256 \
+            2> >(tail -5 >&2) \
             | tee "$OUT/offline.json"
     fi
 fi

@@ -110,6 +110,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--cuda-graph-max-bs", type=int, default=160)
     args = parser.parse_args(argv)
 
     from rsgl.models.config import ModelConfig
@@ -124,6 +125,7 @@ def main(argv: list[str]) -> int:
         "device": args.device,
         "load_format": args.load_format,
         "attention_backend": args.attention_backend,
+        "cuda_graph_max_bs": args.cuda_graph_max_bs,
     }
     result: dict[str, Any] = {
         "dataset": args.dataset,
