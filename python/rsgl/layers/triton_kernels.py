@@ -118,20 +118,21 @@ def _rotary_kernel(
 ) -> None:
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    pair = tl.arange(0, BLOCK_P)
-    pair_mask = pair < HALF
-    cos = tl.load(cis + tok * stride_cis + 2 * pair, mask=pair_mask, other=0.0)
-    sin = tl.load(cis + tok * stride_cis + 2 * pair + 1, mask=pair_mask, other=0.0)
-    mask = (head < heads)[:, None] & pair_mask[None, :]
-    base = qk + tok * stride_tok + head.to(tl.int64)[:, None] * stride_head + 2 * pair[None, :]
-    x0 = tl.load(base, mask=mask, other=0.0)
-    x1 = tl.load(base + 1, mask=mask, other=0.0)
-    a, b = x0.to(tl.float32), x1.to(tl.float32)
+    # Whole rows are loaded contiguously and split into (even, odd) lanes in registers: two
+    # stride-2 loads measured 2-3x slower than torch's unfused ops on an H100.
+    col = tl.arange(0, 2 * BLOCK_P)
+    col_mask = col < 2 * HALF
+    table = tl.load(cis + tok * stride_cis + col, mask=col_mask, other=0.0)
+    cos, sin = tl.split(tl.reshape(table, (BLOCK_P, 2)))
+    mask = (head < heads)[:, None] & col_mask[None, :]
+    base = qk + tok * stride_tok + head.to(tl.int64)[:, None] * stride_head + col[None, :]
+    x = tl.load(base, mask=mask, other=0.0)
+    a, b = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_H, BLOCK_P, 2)))
     # (a + ib)(cos + i sin), as c10::complex multiplies: real a*c - b*d, imaginary a*d + b*c.
     real = a * cos[None, :] - b * sin[None, :]
     imag = a * sin[None, :] + b * cos[None, :]
-    tl.store(base, real.to(x0.dtype), mask=mask)
-    tl.store(base + 1, imag.to(x0.dtype), mask=mask)
+    out = tl.reshape(tl.join(real, imag), (BLOCK_H, 2 * BLOCK_P))
+    tl.store(base, out.to(x.dtype), mask=mask)
 
 
 def kernels_interpreted() -> bool:
@@ -259,7 +260,9 @@ def rotary_qk(qk: torch.Tensor, cis: torch.Tensor) -> None:
         return
     half = dim // 2
     block_p = triton.next_power_of_2(half)
-    block_h = min(triton.next_power_of_2(heads), max(1, 2048 // block_p))
+    # Few tokens: a head or two per program, so a decode step still fills the GPU.
+    per_program = 2 if tokens < 16 else max(1, 2048 // block_p)
+    block_h = min(triton.next_power_of_2(heads), per_program)
     _rotary_kernel[(tokens, triton.cdiv(heads, block_h))](
         qk,
         table,
