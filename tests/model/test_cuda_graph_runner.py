@@ -131,7 +131,8 @@ def test_replay_gives_the_eager_logits_and_touches_only_padding(tmp_path: Path) 
         steps = []
         for _ in range(6):
             assert out.logits is not None
-            steps.append((out.next_token_ids.tolist(), out.logits.clone()))
+            # Kept without a copy: a replay's logits must outlive the next replay.
+            steps.append((out.next_token_ids.tolist(), out.logits))
             for seq, token in zip(seqs, out.next_token_ids.tolist(), strict=True):
                 seq.tokens.append(token)
             out = driver.run([driver.work(s, 1) for s in seqs])

@@ -270,7 +270,11 @@ class ModelRunner:
         assert self.graphs is not None
         with torch.inference_mode():
             logits = self.graphs.replay(prepared.batch)[: prepared.num_requests]
-            return self._sample(prepared.batch, logits, prepared.num_requests, return_logits)
+            out = self._sample(prepared.batch, logits, prepared.num_requests, return_logits)
+        if out.logits is not None:
+            # The graph's output buffer is overwritten by the next replay of its size.
+            out.logits = out.logits.clone()
+        return out
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, *, return_logits: bool = False) -> StepOutput:
