@@ -29,6 +29,15 @@ KV_CACHE_DTYPES: dict[str, str | None] = {
 
 LOAD_FORMATS = ("auto", "dummy", "null")
 
+# Model dtypes (auto: chosen at start-up by rsgl.models.dtype_choice).
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def check_dtype(name: str) -> None:
+    """ValueError naming the field unless `name` is a dtype value."""
+    if name not in DTYPES:
+        raise ValueError(f"invalid dtype {name!r}: expected one of {', '.join(DTYPES)}")
+
 
 def check_kv_cache_dtype(name: str) -> None:
     """ValueError naming the field unless `name` is a kv_cache_dtype value."""
@@ -53,7 +62,18 @@ class EngineArgs:
     )
     tokenizer_path: str | None = option(None, "tokenizer directory (default: the model's)")
     device: str = option("cpu", "torch device to run the model on (cpu, cuda, cuda:N)")
-    dtype: str = option("auto", "model dtype (auto: float32 on CPU, bfloat16 elsewhere)")
+    dtype: str = option(
+        "auto",
+        "model dtype (auto: bfloat16 on CUDA; on CPU bfloat16 where it has AMX-BF16 or "
+        "AVX512-BF16 units and a start-up calibration measures bfloat16 projections faster, "
+        "else float32)",
+        choices=DTYPES,
+    )
+    cpu_threads: int | None = option(
+        None,
+        "torch intra-op threads for the model's CPU math (default: one per physical core of "
+        "the scheduler's CPU affinity)",
+    )
     kv_cache_dtype: str = option(
         "auto",
         "K/V storage dtype (auto: the model's; float16/bfloat16 halve a float32 cache)",
@@ -116,7 +136,10 @@ class EngineArgs:
     )
 
     def __post_init__(self) -> None:
+        check_dtype(self.dtype)
         check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
         if self.load_format not in LOAD_FORMATS:
             expected = ", ".join(LOAD_FORMATS)
             raise ValueError(

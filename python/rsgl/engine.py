@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import sys
 from collections.abc import AsyncIterator, Sequence
@@ -21,18 +22,22 @@ import torch
 
 from rsgl._core import Scheduler
 from rsgl.args import EngineArgs
+from rsgl.cpu_features import default_cpu_threads
 from rsgl.errors import InvalidRequest
 from rsgl.gc_tuning import freeze_startup_objects
 from rsgl.model_executor.kv_cache import KVCache, resolve_kv_cache_dtype
 from rsgl.model_executor.model_runner import ModelRunner
 from rsgl.model_executor.null_runner import NullRunner
 from rsgl.models.config import ModelConfig
+from rsgl.models.dtype_choice import DtypeChoice, choose_dtype
 from rsgl.outputs import merge
 from rsgl.sampling_params import SamplingParams
 from rsgl.scheduler.loop import SchedulerLoop
 from rsgl.tokenizer.loader import load_tokenizer
 from rsgl.tokenizer.output_processor import OutputProcessor, OutputQueue, RequestRecord
 from rsgl.validation import expand_requests, make_sampling_params, tokenize_prompt
+
+logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
 Messages = list[dict[str, Any]]
@@ -58,26 +63,44 @@ class ModelStack:
     context_length: int
     max_total_tokens: int
     kv_cache_dtype: str
+    dtype_choice: DtypeChoice
+    cpu_threads: int
+
+    def info(self) -> dict[str, Any]:
+        """How the model runs, for get_server_info: its dtype and why, and the threads."""
+        return {
+            "dtype": self.dtype_choice.chosen,
+            "dtype_choice": self.dtype_choice.to_dict(),
+            "cpu_threads": self.cpu_threads,
+        }
 
 
 def build_stack(args: EngineArgs) -> ModelStack:
-    """Loads the model and tokenizer and sizes the KV pool and the core from `args`."""
+    """Loads the model and tokenizer and sizes the KV pool and the core from `args`.
+
+    Sets torch's intra-op threads for this process first (`--cpu-threads`: the Engine's
+    process, or the server's scheduler process), so the dtype calibration and the model
+    run with the threads they will be served with.
+    """
     from rsgl.models.loader import load_model
 
     torch.manual_seed(args.seed)
+    cpu_threads = args.cpu_threads or default_cpu_threads()
+    torch.set_num_threads(cpu_threads)
+    logger.info("torch intra-op threads: %d", cpu_threads)
     if args.load_format == "null":
-        return _null_stack(args)
+        return _null_stack(args, cpu_threads)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(
             f"device {args.device!r} was asked for, but torch sees no CUDA device "
             f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})"
         )
-    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    choice = choose_dtype(args.dtype, device)
     loaded = load_model(
         args.model_path,
         device=device,
-        dtype=dtype,
+        dtype=choice.torch_dtype,
         max_positions=args.context_length,
         load_format=args.load_format,
         seed=args.seed,
@@ -107,18 +130,26 @@ def build_stack(args: EngineArgs) -> ModelStack:
         context_length,
         max_total_tokens,
         kv_name,
+        choice,
+        cpu_threads,
     )
 
 
-def _null_stack(args: EngineArgs) -> ModelStack:
+def _null_stack(args: EngineArgs, cpu_threads: int) -> ModelStack:
     """The null executor over the model's config and tokenizer: no weights, no KV memory."""
     from rsgl.models.loader import resolve_model_dir
 
+    # No forward runs, so there is nothing to calibrate: auto stays float32 (the pool is
+    # sized, never allocated, in the dtype named here).
+    if args.dtype == "auto":
+        choice = DtypeChoice("float32", "load format null runs no model")
+    else:
+        choice = DtypeChoice(args.dtype, "forced by --dtype", args.dtype)
     model_dir = resolve_model_dir(args.model_path)
     config = ModelConfig.from_model_dir(model_dir)
     context_length = args.context_length or config.max_position_embeddings
     tokenizer = load_tokenizer(args.tokenizer_path or model_dir)
-    max_total_tokens = args.max_total_tokens or _pool_tokens(args, config, torch.float32)
+    max_total_tokens = args.max_total_tokens or _pool_tokens(args, config, choice.torch_dtype)
     core = _core(args, max_total_tokens, context_length, config)
     runner = NullRunner(
         config,
@@ -127,7 +158,16 @@ def _null_stack(args: EngineArgs) -> ModelStack:
         seed=args.seed,
     )
     return ModelStack(
-        tokenizer, core, runner, config, model_dir, context_length, max_total_tokens, "none"
+        tokenizer,
+        core,
+        runner,
+        config,
+        model_dir,
+        context_length,
+        max_total_tokens,
+        "none",
+        choice,
+        cpu_threads,
     )
 
 
@@ -385,6 +425,7 @@ class Engine:
         """Options, derived sizes and the core's live statistics."""
         info = dataclasses.asdict(self.args)
         info.update(
+            self.stack.info(),
             context_length=self.context_length,
             max_total_tokens=self.max_total_tokens,
             kv_buffer_size=self.core.kv_buffer_size,

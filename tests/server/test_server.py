@@ -26,7 +26,10 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    proc, url = launch(log_path, "--api-key", KEY, "--max-total-tokens", "40000")
+    # float32 (auto may choose bfloat16): tests compare a request's tokens across runs and
+    # expect the float32 model's answers.
+    flags = ("--api-key", KEY, "--max-total-tokens", "40000", "--dtype", "float32")
+    proc, url = launch(log_path, *flags)
     yield url
     stop(proc, log_path)
 
@@ -66,6 +69,14 @@ def test_completions_stream_and_not_agree(client: openai.OpenAI) -> None:
     assert text == whole.choices[0].text
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_server_info_reports_the_dtype_choice_and_threads(server: str) -> None:
+    info = httpx.get(f"{server}/get_server_info", headers=AUTH, timeout=10).json()
+    assert info["dtype"] == "float32"
+    assert info["dtype_choice"]["chosen"] == "float32"
+    assert info["dtype_choice"]["requested"] == "float32"
+    assert info["cpu_threads"] >= 1
 
 
 def test_chat_stream_and_not_agree(client: openai.OpenAI) -> None:

@@ -22,7 +22,10 @@ MODEL = "SmolLM2-135M-Instruct"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log_path = tmp_path_factory.mktemp("sglang_api") / "server.log"
-    proc, url = launch(log_path, "--max-total-tokens", "40000", "--enable-metrics-compat", "sglang")
+    # float32 (auto may choose bfloat16): batched and single requests, and logprobs over a
+    # cached prefix, are compared at float32's precision.
+    flags = ("--max-total-tokens", "40000", "--enable-metrics-compat", "sglang")
+    proc, url = launch(log_path, *flags, "--dtype", "float32")
     yield url
     stop(proc, log_path)
 

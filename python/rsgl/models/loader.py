@@ -42,7 +42,10 @@ class LoadedModel:
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
-    """float32 on CPU (bfloat16 matmul there is ~100x slower), bfloat16 on accelerators."""
+    """float32 on CPU, bfloat16 on accelerators: the dtype of a model loaded without one
+    (`load_model`, `ModelRunner.from_pretrained`; the HF exactness tests rely on float32).
+    Engines resolve `--dtype auto` by hardware and measurement instead
+    (rsgl.models.dtype_choice)."""
     return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
 
 

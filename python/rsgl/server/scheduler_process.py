@@ -63,6 +63,7 @@ def run_scheduler_process(args: EngineArgs, command_addr: str, event_addr: str) 
         "model_dir": str(stack.model_dir),
         "eos_token_ids": list(stack.config.eos_token_ids),
         "scheduler_pid": os.getpid(),
+        **stack.info(),
     }
     freeze_startup_objects()
     outbox.send(ipc.Ready(info))
