@@ -30,11 +30,15 @@ def test_packed_linear_matches_f_linear(rows: int, with_bias: bool) -> None:
 
 
 @needs_onednn
-def test_pack_linears_swaps_only_float32_cpu_linears() -> None:
-    net = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
-    net[2].to(torch.float64)
-    assert pack_linears(net) == 1
-    assert isinstance(net[0], PackedLinear) and isinstance(net[2], torch.nn.Linear)
+def test_pack_linears_swaps_only_float32_and_bfloat16_cpu_linears() -> None:
+    net = torch.nn.Sequential(
+        torch.nn.Linear(8, 4), torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)
+    )
+    net[1].to(torch.bfloat16)
+    net[3].to(torch.float64)
+    assert pack_linears(net) == 2
+    assert isinstance(net[0], PackedLinear) and isinstance(net[1], PackedLinear)
+    assert isinstance(net[3], torch.nn.Linear)
 
 
 @needs_onednn

@@ -15,6 +15,9 @@ tokens (`overlapped_*`).
     rsgl bench one-batch --device cuda --load-format dummy --model benches/configs/llama3-8b \
         --batch 64 --input-len 512 --output-len 256 [--disable-cuda-graph] \
         [--attention-backend triton|flashinfer]
+
+`--dtype` picks the model dtype (auto: the loader's default for the device); on CPU the
+matmul roofline runs the model's own projections, so it is in the run's dtype too.
 """
 
 from __future__ import annotations
@@ -36,6 +39,13 @@ from rsgl.models.llama import LlamaForCausalLM
 from rsgl.sampling_params import SamplingParams
 
 ROOFLINE_EVERY = 4
+
+# --dtype values -> the torch dtype (None: the loader's default for the device).
+DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+}
 
 
 def _prefill_plan(prompts: np.ndarray, capacity: int) -> Plan:
@@ -154,6 +164,7 @@ def run(args: argparse.Namespace) -> dict[str, object] | list[dict[str, object]]
         max_running_requests=batch,
         context_len=capacity + 1,
         device=device,
+        dtype=DTYPES[args.dtype],
         attention_backend=args.attention_backend,
         kv_cache_dtype=args.kv_cache_dtype,
         load_format=args.load_format,
@@ -204,6 +215,7 @@ def run(args: argparse.Namespace) -> dict[str, object] | list[dict[str, object]]
     backend = runner.attn
     return {
         "model": str(runner.loaded.model_dir),
+        "dtype": str(runner.dtype).removeprefix("torch."),
         "batch": batch,
         "input_len": input_len,
         "output_len": output_len,
@@ -324,6 +336,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--compare-graphs", action="store_true", help="CUDA: also run each batch eagerly"
     )
+    parser.add_argument("--dtype", default="auto", choices=list(DTYPES), help="model dtype")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     parser.add_argument("--seed", type=int, default=0)

@@ -1,4 +1,5 @@
-/* The attention kernels, one instance per KV cache element type. */
+/* The attention kernels, one instance per KV cache element type, each with entry points
+   for float32 and bfloat16 activations. */
 #include "common.h"
 
 /* float32 */
@@ -8,6 +9,12 @@
 #define KV_LOAD16(p) _mm512_loadu_ps(p)
 #define KV_AVX512 0
 #include "attention_impl.h"
+#define ACT_BF16 0
+#include "decode_impl.h"
+#undef ACT_BF16
+#define ACT_BF16 1
+#include "decode_impl.h"
+#undef ACT_BF16
 #undef KV_T
 #undef KV_SUFFIX
 #undef KV_STORE
@@ -22,6 +29,12 @@
 #define KV_LOAD16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p)))
 #define KV_AVX512 1
 #include "attention_impl.h"
+#define ACT_BF16 0
+#include "decode_impl.h"
+#undef ACT_BF16
+#define ACT_BF16 1
+#include "decode_impl.h"
+#undef ACT_BF16
 #undef KV_T
 #undef KV_SUFFIX
 #undef KV_STORE
@@ -37,6 +50,12 @@
 #define KV_LOAD16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(p))), 16))
 #define KV_AVX512 1
 #include "attention_impl.h"
+#define ACT_BF16 0
+#include "decode_impl.h"
+#undef ACT_BF16
+#define ACT_BF16 1
+#include "decode_impl.h"
+#undef ACT_BF16
 #undef KV_T
 #undef KV_SUFFIX
 #undef KV_STORE

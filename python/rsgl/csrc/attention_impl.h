@@ -1,7 +1,8 @@
-/* Paged decode attention (and the fused decode layer step), written once over the KV
-   element type. attention.c includes this file once per KV cache dtype with these defined:
+/* Paged decode attention of one request over float32 queries, written once over the KV
+   element type (the entry points over the batch are in decode_impl.h). attention.c
+   includes this file once per KV cache dtype with these defined:
      KV_T            the element type
-     KV_SUFFIX       the kernel names' suffix (FN(rsgl_decode_attention) -> ..._f16)
+     KV_SUFFIX       the instance names' suffix (FN(attend_one) -> attend_one_f16)
      KV_STORE(p,i,x) element i of p = x, rounded to nearest even
      KV_LOAD16(p)    (AVX-512 only) elements p[0:16] as a __m512 of floats
      KV_AVX512       1 to attend with the AVX-512 intrinsics path when the CPU has it */
@@ -195,71 +196,4 @@ static void FN(attend_one)(const float* qb, const KV_T* kb, const KV_T* vb,
         FN(attend_impl)(qb, kb, vb, slots, len, H, Hkv, 128, scale, sc, tmp, ob);
     else
         FN(attend_impl)(qb, kb, vb, slots, len, H, Hkv, D, scale, sc, tmp, ob);
-}
-
-/* out[b, h] = softmax(q[b, h] . K[b]^T * scale) V[b] for one query per request, where the
-   keys of request b are the rows kb[req_to_token[req_slots[b], 0:seq_lens[b]]]. One request
-   per work item. */
-void FN(rsgl_decode_attention)(
-    const float* q, const KV_T* kb, const KV_T* vb, const int32_t* req_to_token,
-    int64_t r2t_stride, const int64_t* req_slots, const int64_t* seq_lens, float* out,
-    int64_t B, int64_t H, int64_t Hkv, int64_t D, float scale, int nthreads) {
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-    for (int64_t b = 0; b < B; b++) {
-        const int64_t len = seq_lens[b];
-        float* sc = (float*)malloc(sizeof(float) * (size_t)(len * H + ATTEND_TMP(H, Hkv, D)));
-        FN(attend_one)(q + b * H * D, kb, vb, req_to_token + req_slots[b] * r2t_stride, len, H,
-                       Hkv, D, scale, sc, sc + len * H, out + b * H * D);
-        free(sc);
-    }
-}
-
-/* A decode-only layer step after the QKV projection, per request b: rotate q and k of row b
-   of qkv ([B, (H + 2 Hkv) D], pair-interleaved rotary layout) by cis[b] ([D / 2] (cos, sin)
-   pairs), store the rotated k and v at KV slot loc[b] (rounded to KV_T), then attend as
-   rsgl_decode_attention. Request b's own key is among those it reads (req_to_token already
-   maps position seq_lens[b] - 1 to loc[b]); other requests never read row loc[b]. */
-void FN(rsgl_decode_layer)(
-    const float* qkv, const float* cis, const int64_t* loc, KV_T* kb, KV_T* vb,
-    const int32_t* req_to_token, int64_t r2t_stride, const int64_t* req_slots,
-    const int64_t* seq_lens, float* out, int64_t B, int64_t H, int64_t Hkv, int64_t D,
-    float scale, int nthreads) {
-    const int64_t row = Hkv * D;
-    const int64_t width = (H + 2 * Hkv) * D;
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-    for (int64_t b = 0; b < B; b++) {
-        const int64_t len = seq_lens[b];
-        const float* x = qkv + b * width;
-        const float* cs = cis + b * D;
-        const int64_t scratch = H * D + len * H + ATTEND_TMP(H, Hkv, D);
-        float* q = (float*)malloc(sizeof(float) * (size_t)scratch);
-        float* sc = q + H * D;
-        KV_T* k = kb + loc[b] * row;
-        for (int64_t h = 0; h < H; h++) {
-            const float* xh = x + h * D;
-            float* dst = q + h * D;
-            for (int64_t i = 0; i < D / 2; i++) {
-                const float c = cs[2 * i], s = cs[2 * i + 1];
-                const float x0 = xh[2 * i], x1 = xh[2 * i + 1];
-                dst[2 * i] = x0 * c - x1 * s;
-                dst[2 * i + 1] = x0 * s + x1 * c;
-            }
-        }
-        for (int64_t h = 0; h < Hkv; h++) {
-            const float* xh = x + (H + h) * D;
-            KV_T* dst = k + h * D;
-            for (int64_t i = 0; i < D / 2; i++) {
-                const float c = cs[2 * i], s = cs[2 * i + 1];
-                const float x0 = xh[2 * i], x1 = xh[2 * i + 1];
-                KV_STORE(dst, 2 * i, x0 * c - x1 * s);
-                KV_STORE(dst, 2 * i + 1, x0 * s + x1 * c);
-            }
-        }
-        const float* v = x + (H + Hkv) * D;
-        KV_T* vdst = vb + loc[b] * row;
-        for (int64_t i = 0; i < row; i++) KV_STORE(vdst, i, v[i]);
-        FN(attend_one)(q, kb, vb, req_to_token + req_slots[b] * r2t_stride, len, H, Hkv, D,
-                       scale, sc, sc + len * H, out + b * H * D);
-        free(q);
-    }
 }

@@ -1,6 +1,7 @@
 /* Helpers shared by rsgl's CPU kernels (see rsgl/layers/cpu_kernels.py): prefetching,
-   fast exp and sigmoid, widening 16-bit KV rows to floats, softmax, and FN(name), which
-   names a kernel instance after the KV element type it was compiled for. */
+   fast exp and sigmoid, bfloat16 conversions, widening 16-bit KV rows to floats, softmax,
+   and FN(name), which names a kernel instance after the KV element type it was compiled
+   for. */
 #ifndef RSGL_COMMON_H
 #define RSGL_COMMON_H
 #include <float.h>
@@ -44,6 +45,68 @@ static inline float sigmoid(float x) {
     return x > 0.f ? 1.f / (1.f + e) : e / (1.f + e);
 }
 
+#if defined(__AVX512F__)
+/* exp_nonpos and sigmoid on 16 lanes, step for step (the compiler may fuse the scalar
+   versions' multiply-adds differently: results agree to a float32 ulp). */
+static inline __m512 exp_nonpos16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 sigmoid16(__m512 x) {
+    const __m512 neg_abs = _mm512_min_ps(x, _mm512_sub_ps(_mm512_setzero_ps(), x));
+    const __m512 e = exp_nonpos16(neg_abs);
+    const __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
+    const __m512 num = _mm512_mask_blend_ps(pos, e, _mm512_set1_ps(1.f));
+    /* 1 / (1 + e) by the 14-bit reciprocal and one Newton step (~2**-27 relative): a
+       division is the slowest instruction here. */
+    const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), e);
+    __m512 inv = _mm512_rcp14_ps(d);
+    inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, _mm512_set1_ps(2.f)));
+    return _mm512_mul_ps(num, inv);
+}
+
+/* 16 bfloat16 values widened to floats. */
+static inline __m512 bf16x16_load(const uint16_t* p) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+/* 16 floats rounded to bfloat16 as f32_to_bf16 does, in the low halves of 32-bit lanes.
+   (Not AVX512-BF16's vcvtneps2bf16, which flushes denormals to zero: torch keeps them.) */
+static inline __m512i bf16x16_bits(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i one = _mm512_set1_epi32(1);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+    const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb);
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+    const __m512i quiet_nan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+        _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_blend_epi32(nan, rounded, quiet_nan);
+}
+
+static inline void bf16x16_store(uint16_t* p, __m512 x) {
+    _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(bf16x16_bits(x)));
+}
+
+/* x rounded to bfloat16, as floats (bf16_round on 16 lanes). */
+static inline __m512 bf16x16_round(__m512 x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bf16x16_bits(x), 16));
+}
+#endif
+
 /* The elementwise kernels split rows over threads above this many elements (~150 KB per
    operand): below it the fork/join costs more than it saves. */
 #define PARALLEL_MIN_ELEMS 32768
@@ -72,25 +135,32 @@ static inline const float* widen_f16(const _Float16* src, float* tmp, int64_t n)
 #endif
 
 /* bfloat16 is the top half of a float32: widening is a shift; narrowing rounds to nearest
-   even (as torch's .to(torch.bfloat16) does) and keeps NaN a quiet NaN. */
+   even (as torch's .to(torch.bfloat16) does) and keeps NaN a quiet NaN. Written as plain
+   selects so that loops over them vectorize. */
+static inline float bf16_to_f32(uint16_t x) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)x << 16;
+    return c.f;
+}
+
+static inline uint16_t f32_to_bf16(float x) {
+    union { float f; uint32_t u; } c;
+    c.f = x;
+    const uint32_t rounded = (c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16;
+    const uint32_t quiet_nan = (c.u >> 16) | 0x40u;
+    return (uint16_t)((c.u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+}
+
+/* x rounded to bfloat16, as a float: what a bfloat16 torch op would have produced. */
+static inline float bf16_round(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
 static inline const float* widen_bf16(const uint16_t* src, float* tmp, int64_t n) {
     #pragma omp simd
-    for (int64_t i = 0; i < n; i++) {
-        union { uint32_t u; float f; } c;
-        c.u = (uint32_t)src[i] << 16;
-        tmp[i] = c.f;
-    }
+    for (int64_t i = 0; i < n; i++) tmp[i] = bf16_to_f32(src[i]);
     return tmp;
 }
 
-static inline void bf16_store(uint16_t* p, int64_t i, float x) {
-    union { float f; uint32_t u; } c;
-    c.f = x;
-    if ((c.u & 0x7fffffffu) > 0x7f800000u)
-        p[i] = (uint16_t)((c.u >> 16) | 0x40u);
-    else
-        p[i] = (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
-}
+static inline void bf16_store(uint16_t* p, int64_t i, float x) { p[i] = f32_to_bf16(x); }
 
 /* Scratch floats attend_one needs: a widened row (Hkv * D) and H x 16 x 16 partial sums. */
 #define ATTEND_TMP(H, Hkv, D) ((Hkv) * (D) + 256 * (H))

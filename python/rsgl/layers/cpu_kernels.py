@@ -1,6 +1,6 @@
-"""Fused CPU kernels for float32 models, compiled on first use: paged decode attention over a
-float32, float16 or bfloat16 KV cache (alone, or with the rotary and the KV store of a
-decode-only layer step), add+RMSNorm, SiLU-and-multiply.
+"""Fused CPU kernels for float32 and bfloat16 models, compiled on first use: paged decode
+attention over a float32, float16 or bfloat16 KV cache (alone, or with the rotary and the
+KV store of a decode-only layer step), add+RMSNorm, SiLU-and-multiply, rotary.
 
 Eager PyTorch has to gather every decode request's keys and values into a padded copy before
 it can attend (measured at batch 64: the gather alone costs more than a third of the model's
@@ -10,10 +10,13 @@ rotates q/k and stores k/v in the same pass over each request. The elementwise k
 replace 4-7 small torch ops each (each op pays a thread-pool round trip at decode sizes).
 
 The sources are plain C files in `rsgl/csrc` (no torch headers, so they compile in a few
-seconds): `common.h` (helpers), `elementwise.c`, and `attention.c`, which instantiates
-`attention_impl.h` once per KV element type. They are built with the system C compiler into
-`~/.cache/rsgl/kernels` and called through ctypes, which releases the GIL during the call.
-Without a compiler every caller falls back to eager torch ops.
+seconds): `common.h` (helpers), `elementwise.c`, which instantiates `elementwise_impl.h`
+once per activation (model) dtype, and `attention.c`, which instantiates `attention_impl.h`
+once per KV element type and `decode_impl.h` once per (activation, KV) pair. Arithmetic is
+float32 throughout; bfloat16 kernels round each intermediate the eager torch ops round, in
+the same order, so a bfloat16 model gives the eager path's numbers. They are built with the
+system C compiler into `~/.cache/rsgl/kernels` and called through ctypes, which releases the
+GIL during the call. Without a compiler every caller falls back to eager torch ops.
 """
 
 from __future__ import annotations
@@ -40,6 +43,10 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 _SOURCES = ("elementwise.c", "attention.c")
 
+# Kernel name suffix of each activation (model) dtype.
+_ACT_SUFFIXES: dict[torch.dtype, str] = {torch.float32: "f32", torch.bfloat16: "bf16"}
+ACT_DTYPES = tuple(_ACT_SUFFIXES)
+
 # Kernel name suffix of each KV cache dtype (attention.c instantiates one set per type;
 # float16 only where the compiler has _Float16).
 _KV_SUFFIXES: dict[torch.dtype, str] = {
@@ -55,22 +62,32 @@ _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fope
 _LINK_FLAGS = ["-shared", "-fopenmp"]
 
 
-def _check(*tensors: torch.Tensor) -> None:
+def _check(*tensors: torch.Tensor) -> torch.dtype:
+    """The activation dtype the tensors share; ValueError unless they are contiguous CPU
+    tensors of one dtype the kernels were built for."""
+    dtype = tensors[0].dtype
     for t in tensors:
-        if not t.is_contiguous() or t.device.type != "cpu" or t.dtype != torch.float32:
-            raise ValueError("CPU kernels take contiguous float32 CPU tensors")
+        if not t.is_contiguous() or t.device.type != "cpu" or t.dtype != dtype:
+            raise ValueError("CPU kernels take contiguous CPU tensors of one dtype")
+    if dtype not in _ACT_SUFFIXES:
+        raise ValueError(f"CPU kernels take float32 or bfloat16 tensors, not {dtype}")
+    return dtype
 
 
 def _check_kv(
-    kernels: dict[torch.dtype, Any], k_buffer: torch.Tensor, v_buffer: torch.Tensor, heads: int
+    kernels: dict[tuple[torch.dtype, torch.dtype], Any],
+    act: torch.dtype,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    heads: int,
 ) -> None:
     for t in (k_buffer, v_buffer):
         if not t.is_contiguous() or t.device.type != "cpu" or t.dtype != k_buffer.dtype:
             raise ValueError("the K and V buffers must be contiguous CPU tensors of one dtype")
     if k_buffer.dim() != 3 or k_buffer.shape != v_buffer.shape:
         raise ValueError("the K and V buffers must both be [slots, kv_heads, head_dim]")
-    if k_buffer.dtype not in kernels:
-        supported = ", ".join(str(d) for d in kernels)
+    if (act, k_buffer.dtype) not in kernels:
+        supported = ", ".join(str(kv) for a, kv in kernels if a == act)
         raise ValueError(f"KV buffers of {k_buffer.dtype}: the kernels were built for {supported}")
     if heads % k_buffer.shape[1]:
         raise ValueError(f"{heads} query heads do not divide into {k_buffer.shape[1]} kv heads")
@@ -88,31 +105,47 @@ class CpuKernels:
         self.library = library
         lib = ctypes.CDLL(str(library))
         ptr, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-        # Per KV cache dtype: the attention kernels instantiated for its element type (a type
-        # whose guard failed at compile time has none).
-        self._decode: dict[torch.dtype, Any] = {}
-        self._decode_layer: dict[torch.dtype, Any] = {}
-        for dtype, suffix in _KV_SUFFIXES.items():
-            if not hasattr(lib, f"rsgl_decode_attention_{suffix}"):
-                continue
-            decode = getattr(lib, f"rsgl_decode_attention_{suffix}")
-            decode.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, f32, i32]
-            layer = getattr(lib, f"rsgl_decode_layer_{suffix}")
-            layer.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]
-            layer.argtypes += [i64, i64, i64, i64, f32, i32]
-            self._decode[dtype], self._decode_layer[dtype] = decode, layer
-        self._add_rmsnorm = lib.rsgl_add_rmsnorm
-        self._add_rmsnorm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, f32, i32]
-        self._silu_mul = lib.rsgl_silu_mul
-        self._silu_mul.argtypes = [ptr, ptr, i64, i64, i32]
-        for fn in (*self._decode.values(), *self._decode_layer.values()):
+        # Per (activation, KV cache) dtype pair: the attention kernels instantiated for
+        # them (a KV type whose guard failed at compile time has none).
+        self._decode: dict[tuple[torch.dtype, torch.dtype], Any] = {}
+        self._decode_layer: dict[tuple[torch.dtype, torch.dtype], Any] = {}
+        for act, act_suffix in _ACT_SUFFIXES.items():
+            for kv, kv_suffix in _KV_SUFFIXES.items():
+                suffix = f"{act_suffix}_{kv_suffix}"
+                if not hasattr(lib, f"rsgl_decode_attention_{suffix}"):
+                    continue
+                decode = getattr(lib, f"rsgl_decode_attention_{suffix}")
+                decode.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]
+                decode.argtypes += [i64, i64, i64, i64, f32, i32]
+                layer = getattr(lib, f"rsgl_decode_layer_{suffix}")
+                layer.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]
+                layer.argtypes += [i64, i64, i64, i64, f32, i32]
+                self._decode[act, kv], self._decode_layer[act, kv] = decode, layer
+        # Per activation dtype.
+        self._add_rmsnorm: dict[torch.dtype, Any] = {}
+        self._silu_mul: dict[torch.dtype, Any] = {}
+        self._rotary: dict[torch.dtype, Any] = {}
+        for act, suffix in _ACT_SUFFIXES.items():
+            norm = getattr(lib, f"rsgl_add_rmsnorm_{suffix}")
+            norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, f32, i32]
+            silu = getattr(lib, f"rsgl_silu_mul_{suffix}")
+            silu.argtypes = [ptr, ptr, i64, i64, i32]
+            rotary = getattr(lib, f"rsgl_rotary_{suffix}")
+            rotary.argtypes = [ptr, ptr, i64, i64, i64, i64, i32]
+            self._add_rmsnorm[act], self._silu_mul[act], self._rotary[act] = norm, silu, rotary
+        for fn in (
+            *self._decode.values(),
+            *self._decode_layer.values(),
+            *self._add_rmsnorm.values(),
+            *self._silu_mul.values(),
+            *self._rotary.values(),
+        ):
             fn.restype = None
-        self._add_rmsnorm.restype = self._silu_mul.restype = None
 
-    @property
-    def kv_dtypes(self) -> tuple[torch.dtype, ...]:
-        """The KV cache dtypes the attention kernels were built for."""
-        return tuple(self._decode)
+    def supports(self, act_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+        """Whether the attention kernels were built for activations of `act_dtype` (the
+        model's) over a KV cache of `kv_dtype`."""
+        return (act_dtype, kv_dtype) in self._decode
 
     def decode_attention(
         self,
@@ -125,10 +158,10 @@ class CpuKernels:
         out: torch.Tensor,
         scale: float,
     ) -> None:
-        """q/out: [B, H, D] float32; buffers [N, Hkv, D] of a KV dtype (float32, float16,
-        bfloat16); req_to_token int32; slots/lens int64 [B]."""
-        _check(q, out)
-        _check_kv(self._decode, k_buffer, v_buffer, q.shape[1])
+        """q/out: [B, H, D] float32 or bfloat16; buffers [N, Hkv, D] of a KV dtype (float32,
+        float16, bfloat16); req_to_token int32; slots/lens int64 [B]."""
+        act = _check(q, out)
+        _check_kv(self._decode, act, k_buffer, v_buffer, q.shape[1])
         _check_index(req_to_token, torch.int32)
         _check_index(req_slots, torch.int64)
         _check_index(seq_lens, torch.int64)
@@ -137,7 +170,7 @@ class CpuKernels:
             raise ValueError("decode_attention: q, out and the KV buffers' head_dim must agree")
         if req_slots.shape != (b,) or seq_lens.shape != (b,):
             raise ValueError(f"decode_attention: req_slots and seq_lens must have shape ({b},)")
-        self._decode[k_buffer.dtype](
+        self._decode[act, k_buffer.dtype](
             q.data_ptr(),
             k_buffer.data_ptr(),
             v_buffer.data_ptr(),
@@ -169,11 +202,14 @@ class CpuKernels:
     ) -> torch.Tensor:
         """Rotary + KV store + decode attention for a decode-only batch, in one call.
 
-        qkv: [B, (H + 2 Hkv) D] (pair-interleaved q/k); cis: [B, D / 2, 2] float32 (cos, sin);
-        out_cache_loc, req_slots, seq_lens: int64 [B]. Returns [B, H * D].
+        qkv: [B, (H + 2 Hkv) D] float32 or bfloat16 (pair-interleaved q/k); cis: [B, D / 2, 2]
+        float32 (cos, sin); out_cache_loc, req_slots, seq_lens: int64 [B]. Returns
+        [B, H * D] of qkv's dtype.
         """
-        _check(qkv, cis)
-        _check_kv(self._decode_layer, k_buffer, v_buffer, num_heads)
+        act = _check(qkv)
+        if _check(cis) != torch.float32:
+            raise ValueError("decode_layer: cis must be float32")
+        _check_kv(self._decode_layer, act, k_buffer, v_buffer, num_heads)
         _check_index(req_to_token, torch.int32)
         b = qkv.shape[0]
         for t in (out_cache_loc, req_slots, seq_lens):
@@ -184,7 +220,7 @@ class CpuKernels:
         if qkv.shape[1] != (num_heads + 2 * kv_heads) * d or cis.numel() != b * d:
             raise ValueError("decode_layer: qkv / cis shapes do not match the KV buffers")
         out = torch.empty((b, num_heads * d), dtype=qkv.dtype)
-        self._decode_layer[k_buffer.dtype](
+        self._decode_layer[act, k_buffer.dtype](
             qkv.data_ptr(),
             cis.data_ptr(),
             out_cache_loc.data_ptr(),
@@ -211,12 +247,13 @@ class CpuKernels:
         weight: torch.Tensor,
         eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rmsnorm(x + residual) * weight, x + residual); without residual, (norm(x), x)."""
-        _check(x, weight) if residual is None else _check(x, residual, weight)
+        """(rmsnorm(x + residual) * weight, x + residual); without residual, (norm(x), x).
+        All of one dtype, float32 or bfloat16 (statistics in float32 either way)."""
+        act = _check(x, weight) if residual is None else _check(x, residual, weight)
         rows, dim = x.shape
         out = torch.empty_like(x)
         summed = x if residual is None else torch.empty_like(x)
-        self._add_rmsnorm(
+        self._add_rmsnorm[act](
             x.data_ptr(),
             None if residual is None else residual.data_ptr(),
             summed.data_ptr(),
@@ -230,14 +267,29 @@ class CpuKernels:
         return out, summed
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up for gate_up = [gate | up] ([rows, 2 * inter])."""
-        _check(gate_up)
+        """silu(gate) * up for gate_up = [gate | up] ([rows, 2 * inter]), float32 or
+        bfloat16."""
+        act = _check(gate_up)
         rows, width = gate_up.shape
         out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
-        self._silu_mul(
+        self._silu_mul[act](
             gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads()
         )
         return out
+
+    def rotary_qk(self, qkv: torch.Tensor, cis: torch.Tensor, heads: int, head_dim: int) -> None:
+        """Rotates in place the first `heads` heads of each row of qkv ([T, width] float32 or
+        bfloat16, pair-interleaved; q heads then k heads) by cis ([T, head_dim / 2, 2]
+        float32 (cos, sin))."""
+        act = _check(qkv)
+        if _check(cis) != torch.float32:
+            raise ValueError("rotary_qk: cis must be float32")
+        rows, width = qkv.shape
+        if heads * head_dim > width or head_dim % 2 or cis.numel() != rows * head_dim:
+            raise ValueError("rotary_qk: qkv / cis shapes do not match heads x head_dim")
+        self._rotary[act](
+            qkv.data_ptr(), cis.data_ptr(), rows, width, heads, head_dim, torch.get_num_threads()
+        )
 
 
 def _cpu_fingerprint() -> str:

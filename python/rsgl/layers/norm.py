@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rsgl.layers.cpu_kernels import load_cpu_kernels
+from rsgl.layers.cpu_kernels import ACT_DTYPES, load_cpu_kernels
 
 
 class RMSNorm(nn.Module):
@@ -13,7 +13,8 @@ class RMSNorm(nn.Module):
 
     The statistics are computed in float32 and the result is cast back before the weight is
     applied, exactly as HF transformers does, so low-precision runs round the same way. On
-    CPU in float32 one fused kernel does the residual add and the norm; on CUDA a Triton
+    CPU in float32 or bfloat16 one fused C kernel does the residual add and the norm, with
+    the same rounding (`rsgl.layers.cpu_kernels`); on CUDA a Triton
     kernel does, with the same rounding (`rsgl.layers.triton_kernels`) unless
     `use_triton` is off. (Not `F.rms_norm`: on CPU with two threads it measured ~100x
     slower than the four ops it replaces.)
@@ -30,7 +31,7 @@ class RMSNorm(nn.Module):
             from rsgl.layers import triton_kernels
 
             return triton_kernels.rmsnorm(x, self.weight, self.eps)
-        if x.dim() == 2 and _fused(x):
+        if x.dim() == 2 and _fused(x, self.weight):
             kernels = load_cpu_kernels()
             assert kernels is not None
             return kernels.add_rmsnorm(x, None, self.weight, self.eps)[0]
@@ -44,7 +45,7 @@ class RMSNorm(nn.Module):
             from rsgl.layers import triton_kernels
 
             return triton_kernels.add_rmsnorm(x, residual, self.weight, self.eps)
-        if _fused(x) and residual.is_contiguous():
+        if _fused(x, self.weight) and residual.is_contiguous() and residual.dtype == x.dtype:
             kernels = load_cpu_kernels()
             assert kernels is not None
             return kernels.add_rmsnorm(x, residual, self.weight, self.eps)
@@ -69,10 +70,11 @@ def _triton_add(x: torch.Tensor, residual: torch.Tensor) -> bool:
     )
 
 
-def _fused(x: torch.Tensor) -> bool:
+def _fused(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         x.device.type == "cpu"
-        and x.dtype == torch.float32
+        and x.dtype in ACT_DTYPES
+        and weight.dtype == x.dtype
         and x.is_contiguous()
         and load_cpu_kernels() is not None
     )

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rsgl.layers.attention.base import AttentionBackend
-from rsgl.layers.cpu_kernels import load_cpu_kernels
+from rsgl.layers.cpu_kernels import ACT_DTYPES, load_cpu_kernels
 from rsgl.layers.linear import PackedLinear, can_pack, pack_linears
 from rsgl.layers.norm import RMSNorm
 from rsgl.layers.rotary import RotaryEmbedding, apply_rotary, interleave_rotary_pairs
@@ -27,6 +27,12 @@ _FUSED_SHARDS: dict[str, tuple[str, int]] = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+
+# On CPU a long extend runs the MLP this many rows at a time, so that its widest
+# intermediate (gate_up: rows x 2 intermediate) stays in cache instead of making a round
+# trip through memory, freshly page-faulted every layer (SmolLM2 prefill of 6,400 tokens
+# on 2 cores: float32 5.06 -> 4.33 s, bfloat16 1.42 -> 1.33 s).
+MLP_CPU_CHUNK = 512
 
 # Tensors whose rows are permuted so rotary pairs are adjacent (see rsgl.layers.rotary).
 _PAIR_INTERLEAVED = (".q_proj.", ".k_proj.", ".q_norm.", ".k_norm.")
@@ -93,9 +99,14 @@ class LlamaAttention(nn.Module):
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, kv_heads, dim))
             k = apply_rotary(k, cis)
         else:
-            # q and k are adjacent in the fused output: rotate both in one op.
+            # q and k are adjacent in the fused output: rotate both in one op (on CPU one C
+            # kernel, in place: the projection's output is this layer's own buffer).
+            kernels = load_cpu_kernels() if qkv.device.type == "cpu" else None
             qk = qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, dim)
-            qk = apply_rotary(qk, cis)
+            if kernels is not None and qkv.dtype in ACT_DTYPES and qkv.is_contiguous():
+                kernels.rotary_qk(qkv, torch.view_as_real(cis), heads + kv_heads, dim)
+            else:
+                qk = apply_rotary(qk, cis)
             q, k = qk[:, :heads], qk[:, heads:]
         out: torch.Tensor = self.o_proj(attn.forward(q, k, v, self.layer_id, batch))
         return out
@@ -103,7 +114,8 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     """SwiGLU with the gate and up projections fused into one matmul; the activation is one
-    fused kernel on CPU in float32 (C) and on CUDA (Triton, unless `use_triton` is off)."""
+    fused kernel on CPU in float32 or bfloat16 (C) and on CUDA (Triton, unless `use_triton`
+    is off)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -116,13 +128,21 @@ class LlamaMLP(nn.Module):
         return [self.intermediate_size, self.intermediate_size]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if x.device.type == "cpu" and rows > 2 * MLP_CPU_CHUNK:
+            return torch.cat(
+                [self._forward(x[i : i + MLP_CPU_CHUNK]) for i in range(0, rows, MLP_CPU_CHUNK)]
+            )
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         kernels = load_cpu_kernels() if gate_up.device.type == "cpu" else None
         if gate_up.is_cuda and self.use_triton:
             from rsgl.layers import triton_kernels
 
             act = triton_kernels.silu_mul(gate_up)
-        elif kernels is not None and gate_up.dtype == torch.float32:
+        elif kernels is not None and gate_up.dtype in ACT_DTYPES:
             act = kernels.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
@@ -219,8 +239,9 @@ class LlamaForCausalLM(nn.Module):
                 module.use_triton = enabled
 
     def pack_cpu_weights(self) -> None:
-        """Reorder every projection and the LM head into oneDNN's layout (float32 CPU only;
-        see rsgl.layers.linear). The last step of loading: `load_weights` refuses after it."""
+        """Reorder every projection and the LM head into oneDNN's layout (float32 or bfloat16
+        on CPU; see rsgl.layers.linear). The last step of loading: `load_weights` refuses
+        after it."""
         if self.packed_lm_head is not None or not can_pack(self.model.embed_tokens.weight):
             return
         pack_linears(self.model)

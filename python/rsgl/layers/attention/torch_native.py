@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from rsgl.layers.attention.base import AttentionBackend
-from rsgl.layers.cpu_kernels import CpuKernels, load_cpu_kernels
+from rsgl.layers.cpu_kernels import ACT_DTYPES, CpuKernels, load_cpu_kernels
 
 if TYPE_CHECKING:
     from rsgl.model_executor.forward_batch import ForwardBatch
@@ -41,10 +41,12 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     Extends (few per step, many tokens each) run one SDPA per request with a causal mask
     offset by the cached prefix. Decodes (many per step, one token each) run batched: for a
-    float32 model on CPU through the fused paged kernel of `rsgl.layers.cpu_kernels` (over a
-    float32, float16 or bfloat16 cache) when it can be built, otherwise by gathering every
-    decode request's K/V padded to the longest sequence and one masked SDPA. Index tables
-    and masks are built once per step in `prepare`, not per layer.
+    float32 or bfloat16 model on CPU through the fused paged kernel of
+    `rsgl.layers.cpu_kernels` (over a float32, float16 or bfloat16 cache) when it can be
+    built, otherwise by gathering every decode request's K/V padded to the longest sequence
+    and one masked SDPA. Index tables and masks are built once per step in `prepare`, not
+    per layer. Extends run SDPA in the model's dtype: for bfloat16 its flash kernel
+    accumulates in float32.
     """
 
     def __init__(
@@ -65,15 +67,15 @@ class TorchNativeAttnBackend(AttentionBackend):
         if (
             use_decode_kernel is not False
             and kv_cache.device.type == "cpu"
-            and model_dtype == torch.float32
+            and model_dtype in ACT_DTYPES
         ):
             kernels = load_cpu_kernels()
-            if kernels is not None and kv_cache.dtype not in kernels.kv_dtypes:
+            if kernels is not None and not kernels.supports(model_dtype, kv_cache.dtype):
                 kernels = None
         if use_decode_kernel and kernels is None:
             raise ValueError(
-                "the CPU decode kernel needs a float32 model on CPU, a C compiler and a KV "
-                f"cache dtype the kernels were built for (not {kv_cache.dtype})"
+                "the CPU decode kernel needs a float32 or bfloat16 model on CPU, a C compiler "
+                f"and a KV cache dtype the kernels were built for (not {kv_cache.dtype})"
             )
         self.decode_kernel = kernels
 
@@ -139,7 +141,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         if (
             self.decode_kernel is None
             or batch.num_extends
-            or qkv.dtype != torch.float32
+            or qkv.dtype != self.model_dtype
             or not qkv.is_contiguous()
         ):
             return None
