@@ -100,11 +100,13 @@ def _choose(
     features: frozenset[str] | None,
     calibrate: Callable[[], Bf16Speedup],
 ) -> DtypeChoice:
+    found: tuple[str, ...] = ()
+    if device.type == "cpu":  # reported whatever is chosen: what the machine could do
+        found = tuple(sorted(cpu_bf16_features() if features is None else features))
     if requested != "auto":
-        return DtypeChoice(requested, "forced by --dtype", requested)
+        return DtypeChoice(requested, "forced by --dtype", requested, cpu_bf16_features=found)
     if device.type != "cpu":
         return DtypeChoice("bfloat16", f"{device.type}: bfloat16 is the accelerator's native width")
-    found = tuple(sorted(cpu_bf16_features() if features is None else features))
     if not found:
         return DtypeChoice(
             "float32", "the CPU has no bfloat16 matrix units (amx_bf16, avx512_bf16)"
