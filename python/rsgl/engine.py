@@ -441,9 +441,11 @@ class Engine:
     def shutdown(self) -> None:
         """Stops the loop (aborting what is left) and its stream, and frees the model's
         device memory."""
-        self._loop.shutdown()
-        if isinstance(self.runner, ModelRunner):
-            self.runner.close()
+        try:
+            self._loop.shutdown()
+        finally:
+            if isinstance(self.runner, ModelRunner):
+                self.runner.close()
 
     def __enter__(self) -> Self:
         return self

@@ -68,3 +68,17 @@ def test_an_unavailable_flashinfer_falls_back_to_triton_with_a_warning(
     assert isinstance(backend, _Fallback)
     assert (backend.num_heads, backend.num_kv_heads, backend.head_dim) == (4, 2, 16)
     assert "flashinfer is unavailable, using triton: nvcc: not found" in caplog.text
+
+
+def test_the_default_cuda_backend_is_flashinfer_only_where_it_can_run() -> None:
+    from rsgl.model_executor.model_runner import default_attention_backend
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    assert default_attention_backend(cpu, fp32, fp32) == "torch_native"
+    assert default_attention_backend(cpu, bf16, bf16) == "torch_native"
+    assert default_attention_backend(cuda, bf16, bf16) == "flashinfer"
+    assert default_attention_backend(cuda, fp16, fp16) == "flashinfer"
+    # flashinfer refuses float32 models and a KV cache narrower than the model: triton runs them.
+    assert default_attention_backend(cuda, fp32, fp32) == "triton"
+    assert default_attention_backend(cuda, bf16, fp16) == "triton"

@@ -11,6 +11,7 @@ loop never branches on the device.
 from __future__ import annotations
 
 import collections
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
     from rsgl.model_executor.model_runner import StepOutput
 
 P = TypeVar("P")
+
+logger = logging.getLogger(__name__)
 
 
 class LaunchedStep(ABC):
@@ -109,9 +112,11 @@ class CudaStreamExecutor(StepExecutor):
         self.device = device
         self.schedule_stream = torch.cuda.current_stream(device)
         self.forward_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        self._in_flight: collections.deque[tuple[Any, StepOutput]] = collections.deque(maxlen=2)
+        self._in_flight: collections.deque[tuple[Any, StepOutput | None]]
+        self._in_flight = collections.deque(maxlen=2)
 
     def launch(self, prepare: Callable[[], P], execute: Callable[[P], StepOutput]) -> LaunchedStep:
+        inputs: P | None = None
         try:
             with torch.cuda.stream(self.schedule_stream):
                 inputs = prepare()
@@ -122,12 +127,17 @@ class CudaStreamExecutor(StepExecutor):
                 done = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 done.record(self.forward_stream)
         except Exception as exc:  # noqa: BLE001 - reported by result(), as on the CPU path
+            # Kernels queued before the error may still read the inputs: keep them too.
+            self._in_flight.append((inputs, None))
             return _FailedStep(exc)
         self._in_flight.append((inputs, out))
         return _CudaStep(host, done)
 
     def shutdown(self) -> None:
-        self.forward_stream.synchronize()
+        try:
+            self.forward_stream.synchronize()
+        except RuntimeError:  # a sticky CUDA error, which the loop has reported already
+            logger.exception("waiting for the forward stream at shutdown failed")
         self._in_flight.clear()
 
 

@@ -74,9 +74,16 @@ class PreparedStep:
     num_requests: int  # the batch's rows before padding
 
 
-def default_attention_backend(device: torch.device) -> str:
-    """torch_native on CPU; on CUDA flashinfer (it falls back to triton when missing)."""
-    return "flashinfer" if device.type == "cuda" else "torch_native"
+def default_attention_backend(
+    device: torch.device, model_dtype: torch.dtype, kv_dtype: torch.dtype
+) -> str:
+    """torch_native on CPU. On CUDA flashinfer (it falls back to triton when missing) where
+    it can run: a 16-bit model with a KV cache of the same dtype; triton otherwise."""
+    if device.type != "cuda":
+        return "torch_native"
+    if model_dtype in (torch.float16, torch.bfloat16) and kv_dtype == model_dtype:
+        return "flashinfer"
+    return "triton"
 
 
 class ModelRunner:
@@ -118,7 +125,7 @@ class ModelRunner:
         self.kv_cache = KVCache.for_model(cfg, kv_buffer_size, kv_dtype, self.device)
         self.req_to_token = ReqToTokenPool(max_running_requests, self.context_len, self.device)
         self.attn: AttentionBackend = create_attention_backend(
-            attention_backend or default_attention_backend(self.device),
+            attention_backend or default_attention_backend(self.device, self.dtype, kv_dtype),
             self.kv_cache,
             self.req_to_token,
             cfg.num_attention_heads,
