@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rsgl.layers.host_copy import to_device
 from rsgl.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 _MASK64 = (1 << 63) - 1
@@ -205,18 +206,23 @@ class SlotSamplingState:
         prompts = [prompt for prompt, _ in history.values()]
         outputs = [output for _, output in history.values()]
         none = np.zeros(0, dtype=np.int64)
-        int_parts = _upload(
+        int_parts = to_device(
+            [
+                slots,
+                *(a.host[slots] for a in ints),
+                hist_slots,
+                np.repeat(hist_slots, [len(p) for p in prompts]),
+                np.concatenate([none, *prompts]),
+                np.repeat(hist_slots, [len(o) for o in outputs]),
+                np.concatenate([none, *outputs]),
+            ],
             self.device,
             torch.int64,
-            slots,
-            *(a.host[slots] for a in ints),
-            hist_slots,
-            np.repeat(hist_slots, [len(p) for p in prompts]),
-            np.concatenate([none, *prompts]),
-            np.repeat(hist_slots, [len(o) for o in outputs]),
-            np.concatenate([none, *outputs]),
+            share_on_cpu=False,
         )
-        float_parts = _upload(self.device, torch.float32, *(a.host[slots] for a in floats))
+        float_parts = to_device(
+            [a.host[slots] for a in floats], self.device, torch.float32, share_on_cpu=False
+        )
         slots_d = int_parts[0]
         rows_of = int_parts[1 : 1 + len(ints)] + float_parts
         for array, rows in zip(ints + floats, rows_of, strict=True):
@@ -302,7 +308,7 @@ class Sampler:
             logits = apply_logit_bias(logits, state, req_slots)
         below_min = state.output_len[req_slots_host] < state.min_new_tokens[req_slots_host]
         if below_min.any():
-            (rows_below_min,) = _upload(self.device, torch.bool, below_min)
+            (rows_below_min,) = to_device([below_min], self.device, torch.bool, share_on_cpu=False)
             logits = mask_stop_ids(logits, state, req_slots, rows_below_min)
 
         greedy = state.greedy[req_slots_host]
@@ -314,8 +320,8 @@ class Sampler:
             next_ids = logits.argmax(dim=-1)
             rows = np.flatnonzero(~greedy)
             slots_host = req_slots_host[rows]
-            rows_d, slots_d, positions = _upload(
-                self.device, torch.int64, rows, slots_host, seq_lens_host[rows]
+            rows_d, slots_d, positions = to_device(
+                [rows, slots_host, seq_lens_host[rows]], self.device, share_on_cpu=False
             )
             next_ids[rows_d] = self._draw(logits[rows_d], state, slots_d, positions, slots_host)
 
@@ -451,18 +457,3 @@ def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) 
     x = x ^ ((x >> 31) & 0x1FFFFFFFF)
     uniform = (((x >> 40) & 0xFFFFFF).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
     return -torch.log(uniform)
-
-
-def _upload(device: torch.device, dtype: torch.dtype, *arrays: np.ndarray) -> list[torch.Tensor]:
-    """`arrays` as `dtype` tensors on `device`, in their shapes, from one host buffer.
-
-    On CUDA the buffer is pinned and the copy non-blocking, so the host never waits for the
-    device; a fresh buffer per call lets torch's caching host allocator hold it until the
-    copy has run. On CPU the buffer itself is returned (it shares nothing with `arrays`).
-    """
-    sizes = [a.size for a in arrays]
-    staging = torch.empty(sum(sizes), dtype=dtype, pin_memory=device.type == "cuda")
-    np.concatenate([np.ravel(a) for a in arrays], out=staging.numpy())
-    packed = staging.to(device, non_blocking=True)
-    parts = packed.split_with_sizes(sizes)
-    return [part.view(a.shape) for part, a in zip(parts, arrays, strict=True)]

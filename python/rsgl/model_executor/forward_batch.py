@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from rsgl.layers.host_copy import to_device
+
 if TYPE_CHECKING:
     from rsgl._core import Plan
 
@@ -141,24 +143,3 @@ class ForwardBatch:
             out_cache_loc=plan.out_cache_loc,
             device=device,
         )
-
-
-def to_device(arrays: list[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
-    """int64 tensors on `device` holding `arrays`.
-
-    On CPU they share the arrays' memory. Elsewhere they are packed into one pinned host
-    buffer and sent in a single non-blocking copy on the current stream: a copy from pageable
-    memory would block the host until the device drained its queue, which is exactly the
-    overlap the loop is built for. A fresh pinned buffer per call lets torch's caching host
-    allocator keep it alive until the copy has run.
-    """
-    host = [np.asarray(a, dtype=np.int64).reshape(-1) for a in arrays]
-    device = torch.device(device)
-    if device.type == "cpu":
-        return [torch.as_tensor(a) for a in host]
-    sizes = [a.shape[0] for a in host]
-    staging = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=True)
-    np.concatenate(host, out=staging.numpy())
-    packed = staging.to(device, non_blocking=True)
-    offsets = np.cumsum([0, *sizes]).tolist()
-    return [packed[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from rsgl.args import KV_CACHE_DTYPES, check_kv_cache_dtype
-from rsgl.model_executor.forward_batch import to_device
+from rsgl.layers.host_copy import to_device
 from rsgl.models.config import ModelConfig
 
 

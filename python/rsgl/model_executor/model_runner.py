@@ -16,6 +16,7 @@ from rsgl.layers.attention import (
     AttentionBackend,
     create_attention_backend,
 )
+from rsgl.layers.host_copy import to_device
 from rsgl.layers.sampler import SampleOutput, Sampler, SlotSamplingState
 from rsgl.model_executor.cuda_graph_runner import (
     CudaGraphRunner,
@@ -23,7 +24,7 @@ from rsgl.model_executor.cuda_graph_runner import (
     pad_decode_arrays,
     padded_size,
 )
-from rsgl.model_executor.forward_batch import ForwardBatch, ForwardMode, to_device
+from rsgl.model_executor.forward_batch import ForwardBatch, ForwardMode
 from rsgl.model_executor.future_map import FutureMap
 from rsgl.model_executor.kv_cache import KVCache, ReqToTokenPool, resolve_kv_cache_dtype
 from rsgl.models.loader import LoadedModel, load_model

@@ -10,10 +10,10 @@ import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from rsgl.layers.attention.base import AttentionBackend
+from rsgl.layers.attention.paged_metadata import build_host_indptrs
 
 if TYPE_CHECKING:
     from rsgl.model_executor.forward_batch import ForwardBatch
@@ -61,7 +61,7 @@ class TritonAttnBackend(AttentionBackend):
 
     Why these kernels: they need nothing beyond torch's own Triton, compile in seconds, and
     read all their metadata on the device, so the decode path can be captured in a CUDA
-    graph. `prepare` builds `qo_indptr`/`kv_indptr` from the batch's host arrays (one pinned,
+    graph. `prepare` builds `qo_indptr`/`kv_indptr` from the batch's host arrays (pinned,
     non-blocking copy) and gathers `kv_indices` from req_to_token on the device: no host
     sync. Each layer stores the step's K/V first and then attends, so one paged prefill
     kernel with a bottom-right causal mask covers EXTEND and MIXED steps; decode-only steps
@@ -117,17 +117,17 @@ class TritonAttnBackend(AttentionBackend):
 
     def prepare(self, batch: ForwardBatch) -> None:
         bs = batch.batch_size
-        # Host arrays only: cumulative sums on the host, one pinned copy to the device.
-        host = np.zeros((2, bs + 1), dtype=np.int32)
-        np.cumsum(batch.extend_lens_host, out=host[0, 1:])
-        np.cumsum(batch.seq_lens_host, out=host[1, 1:])
-        total_kv = int(host[1, -1])
+        # Host arrays only: offsets built on the host, one pinned copy to the device.
+        host = build_host_indptrs(
+            batch.extend_lens_host, batch.seq_lens_host, pin=self.device.type == "cuda"
+        )
+        total_kv = host.num_kv_indices
         if total_kv > self._kv_indices.shape[0]:
             raise ValueError(
                 f"{total_kv} KV entries exceed req_to_token's {self._kv_indices.shape[0]}"
             )
-        indptrs = self._to_device(host)
-        qo_indptr, kv_indptr = indptrs[0], indptrs[1]
+        qo_indptr = host.qo_indptr.to(self.device, non_blocking=True)
+        kv_indptr = host.kv_indptr.to(self.device, non_blocking=True)
         kv_indices = self._kv_indices[:total_kv]
         self._build_kv_indices(
             self.req_to_token.req_to_token, batch.req_slots, batch.seq_lens, kv_indptr, kv_indices
@@ -138,20 +138,11 @@ class TritonAttnBackend(AttentionBackend):
             qo_indptr=qo_indptr,
             kv_indptr=kv_indptr,
             kv_indices=kv_indices,
-            max_qo_len=int(batch.extend_lens_host.max()) if bs else 0,
+            max_qo_len=host.max_extend_len,
         )
         if decode_only:
             meta.partial_out, meta.partial_lse = self._split_workspaces(bs)
         batch.attn_metadata = meta
-
-    def _to_device(self, host: np.ndarray) -> torch.Tensor:
-        """`host` on the cache's device without blocking: a fresh pinned staging buffer per
-        call, which torch's caching host allocator keeps alive until the copy has run."""
-        if self.device.type == "cpu":
-            return torch.from_numpy(host)
-        staging = torch.empty(host.shape, dtype=torch.int32, pin_memory=True)
-        staging.numpy()[...] = host
-        return staging.to(self.device, non_blocking=True)
 
     def _split_workspaces(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (bs, self.num_heads, NUM_KV_SPLITS)
