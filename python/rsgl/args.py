@@ -29,6 +29,10 @@ KV_CACHE_DTYPES: dict[str, str | None] = {
 
 LOAD_FORMATS = ("auto", "dummy", "null")
 
+# How the data-parallel dispatcher picks a rank for a request (SGLang's names; cache_aware
+# is sglang-router's).
+LOAD_BALANCE_METHODS = ("round_robin", "total_requests", "total_tokens", "cache_aware")
+
 # Model dtypes (auto: chosen at start-up by rsgl.models.dtype_choice).
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -135,6 +139,29 @@ class EngineArgs:
         1, "tokens per streamed chunk (a request's last chunk comes when it ends)"
     )
 
+    tp_size: int = option(
+        1,
+        "tensor-parallel ranks: each holds a shard of every layer and of the KV cache",
+        alias="--tp",
+    )
+    dp_size: int = option(
+        1,
+        "data-parallel replicas: scheduler processes, each with its own model and KV pool",
+        alias="--dp",
+    )
+    load_balance_method: str = option(
+        "round_robin",
+        "how a request picks its data-parallel replica",
+        choices=LOAD_BALANCE_METHODS,
+    )
+    nnodes: int = option(1, "nodes the tensor-parallel ranks are spread over")
+    node_rank: int = option(
+        0, "this node's rank (0 runs the frontend; the others run only their model ranks)"
+    )
+    dist_init_addr: str | None = option(
+        None, "host:port of node 0 for torch.distributed's rendezvous (needed when nnodes > 1)"
+    )
+
     def __post_init__(self) -> None:
         check_dtype(self.dtype)
         check_kv_cache_dtype(self.kv_cache_dtype)
@@ -156,7 +183,25 @@ class EngineArgs:
             "stream_interval",
             "cuda_graph_max_bs",
         )
-        for name in ("max_running_requests", "max_prefill_tokens", "page_size", *limits):
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            expected = ", ".join(LOAD_BALANCE_METHODS)
+            raise ValueError(
+                f"invalid load_balance_method {self.load_balance_method!r}: "
+                f"expected one of {expected}"
+            )
+        if not 0 <= self.node_rank < max(self.nnodes, 1):
+            raise ValueError(
+                f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}"
+            )
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("dist_init_addr (host:port of node 0) is needed when nnodes > 1")
+        if self.nnodes > 1 and self.tp_size % self.nnodes:
+            raise ValueError(
+                f"tp_size ({self.tp_size}) must be a multiple of nnodes ({self.nnodes}): "
+                "each node runs the same number of tensor-parallel ranks"
+            )
+        parallel = ("tp_size", "dp_size", "nnodes")
+        for name in ("max_running_requests", "max_prefill_tokens", "page_size", *limits, *parallel):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
