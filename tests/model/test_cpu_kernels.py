@@ -44,6 +44,25 @@ def test_add_rmsnorm_matches_torch(kernels: CpuKernels) -> None:
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_picks_what_torch_argmax_picks(kernels: CpuKernels, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 49152, generator=gen).to(dtype)
+    x[1, 9000] = x[1, 70] = 50.0  # equal maxima: the first
+    x[2, 40_000] = x[2, 30_000] = float("nan")  # NaN beats everything: the first NaN
+    x[3] = float("-inf")  # nothing but -inf: index 0
+    x[4, 49151] = float("inf")  # the last column
+    x[5] = 0.0
+    x[5, 100] = -0.0  # -0 == +0: still the first
+    x[6, :3] = 1e30
+    got = kernels.argmax_rows(x)
+    torch.testing.assert_close(got, x.argmax(dim=-1), atol=0, rtol=0)
+    assert got[:7].tolist() == [int(x[0].float().argmax()), 70, 30_000, 0, 49151, 0, 0]
+    # Rows of one element, and more rows than threads.
+    column = torch.randn(33, 1, generator=gen).to(dtype)
+    assert kernels.argmax_rows(column).tolist() == [0] * 33
+
+
 def test_silu_mul_matches_torch_over_a_wide_range(kernels: CpuKernels) -> None:
     gate_up = torch.randn(9, 2 * 300, generator=torch.Generator().manual_seed(1)) * 30
     gate, up = gate_up.chunk(2, dim=-1)

@@ -101,6 +101,38 @@ void ACT_FN(rsgl_rotary)(ACT_T* x, const float* cis, int64_t rows, int64_t width
     }
 }
 
+/* out[r] = the index of the largest element of row r of x ([rows, cols]), as torch.argmax
+   picks it: the first of equal maxima, and a NaN is larger than everything (the first NaN
+   wins). Two passes over each row (it stays in cache between them): a max and a NaN flag,
+   which vectorize, then the first position holding that value. Used by greedy sampling,
+   straight on the LM head's bfloat16 logits (widening is exact, so the index is the one
+   the float32 logits give). */
+void ACT_FN(rsgl_argmax_rows)(const ACT_T* x, int64_t rows, int64_t cols, int64_t* out,
+                              int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads) \
+        if (rows * cols > PARALLEL_MIN_ELEMS)
+    for (int64_t r = 0; r < rows; r++) {
+        const ACT_T* xr = x + r * cols;
+        float best = -INFINITY;
+        int nan = 0;
+        #pragma omp simd reduction(max : best) reduction(| : nan)
+        for (int64_t i = 0; i < cols; i++) {
+            const float v = ACT_LOAD(xr, i);
+            nan |= v != v;
+            best = v > best ? v : best;
+        }
+        int64_t at = 0;
+        for (int64_t i = 0; i < cols; i++) {
+            const float v = ACT_LOAD(xr, i);
+            if (nan ? v != v : v == best) {
+                at = i;
+                break;
+            }
+        }
+        out[r] = at;
+    }
+}
+
 #undef ACT_T
 #undef ACT_LOAD
 #undef ACT_STORE

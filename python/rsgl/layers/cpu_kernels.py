@@ -125,7 +125,11 @@ class CpuKernels:
         self._add_rmsnorm: dict[torch.dtype, Any] = {}
         self._silu_mul: dict[torch.dtype, Any] = {}
         self._rotary: dict[torch.dtype, Any] = {}
+        self._argmax: dict[torch.dtype, Any] = {}
         for act, suffix in _ACT_SUFFIXES.items():
+            argmax = getattr(lib, f"rsgl_argmax_rows_{suffix}")
+            argmax.argtypes = [ptr, i64, i64, ptr, i32]
+            self._argmax[act] = argmax
             norm = getattr(lib, f"rsgl_add_rmsnorm_{suffix}")
             norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, f32, i32]
             silu = getattr(lib, f"rsgl_silu_mul_{suffix}")
@@ -139,6 +143,7 @@ class CpuKernels:
             *self._add_rmsnorm.values(),
             *self._silu_mul.values(),
             *self._rotary.values(),
+            *self._argmax.values(),
         ):
             fn.restype = None
 
@@ -290,6 +295,18 @@ class CpuKernels:
         self._rotary[act](
             qkv.data_ptr(), cis.data_ptr(), rows, width, heads, head_dim, torch.get_num_threads()
         )
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """`x.argmax(dim=-1)` for x [rows, cols] float32 or bfloat16 (int64 indices; the
+        first of equal maxima, NaN largest, as torch). torch's CPU argmax over a batch of
+        SmolLM2 logits ([64, 49152]) took 2 ms in float32 and 5 ms in bfloat16."""
+        act = _check(x)
+        rows, cols = x.shape
+        if cols == 0:
+            raise ValueError("argmax_rows: rows are empty")
+        out = torch.empty(rows, dtype=torch.int64)
+        self._argmax[act](x.data_ptr(), rows, cols, out.data_ptr(), torch.get_num_threads())
+        return out
 
 
 def _cpu_fingerprint() -> str:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rsgl.layers.cpu_kernels import ACT_DTYPES, load_cpu_kernels
 from rsgl.layers.host_copy import to_device
 from rsgl.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
@@ -300,24 +301,27 @@ class Sampler:
         """logits: [B, vocab] for request slots `req_slots` whose next position is `seq_lens`;
         the `*_host` arrays hold the same values on the host."""
         state.flush()
-        logits = logits.float()
         raw = logits
+        greedy = state.greedy[req_slots_host]
+        below_min = state.output_len[req_slots_host] < state.min_new_tokens[req_slots_host]
+        # Plain greedy rows take the argmax of the logits as they come (widening bfloat16
+        # is exact, so it is the float32 argmax); everything else works in float32.
+        if not (greedy.all() and _plain(state, req_slots_host) and not below_min.any()):
+            logits = logits.float()
         if state.penalized[req_slots_host].any():
             logits = apply_penalties(logits, state, req_slots)
         if state.has_bias[req_slots_host].any():
             logits = apply_logit_bias(logits, state, req_slots)
-        below_min = state.output_len[req_slots_host] < state.min_new_tokens[req_slots_host]
         if below_min.any():
             (rows_below_min,) = to_device([below_min], self.device, torch.bool, share_on_cpu=False)
             logits = mask_stop_ids(logits, state, req_slots, rows_below_min)
 
-        greedy = state.greedy[req_slots_host]
         if greedy.all():
-            next_ids = logits.argmax(dim=-1)
+            next_ids = argmax_rows(logits)
         elif not greedy.any():
             next_ids = self._draw(logits, state, req_slots, seq_lens, req_slots_host)
         else:
-            next_ids = logits.argmax(dim=-1)
+            next_ids = argmax_rows(logits)
             rows = np.flatnonzero(~greedy)
             slots_host = req_slots_host[rows]
             rows_d, slots_d, positions = to_device(
@@ -327,7 +331,7 @@ class Sampler:
 
         out = SampleOutput(next_token_ids=next_ids)
         if state.return_logprob[req_slots_host].any():
-            logprobs = torch.log_softmax(raw, dim=-1)
+            logprobs = torch.log_softmax(raw.float(), dim=-1)
             out.token_logprobs = logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)
             n = int(state.top_logprobs_num[req_slots_host].max())
             if n:
@@ -367,6 +371,25 @@ class Sampler:
         seeds = torch.where(seeds >= 0, seeds, drawn)
         noise = exponential_noise(seeds, positions, vocab)
         return (probs / noise).argmax(dim=-1)
+
+
+def _plain(state: SlotSamplingState, req_slots_host: np.ndarray) -> bool:
+    """No request of the batch has penalties, a logit bias or asks for logprobs."""
+    return not (
+        state.penalized[req_slots_host].any()
+        or state.has_bias[req_slots_host].any()
+        or state.return_logprob[req_slots_host].any()
+    )
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(dim=-1)`; on CPU through the C kernel when it is built (torch's CPU
+    argmax over a [64, 49152] batch: 2 ms in float32, 5 ms in bfloat16; the kernel: 0.6)."""
+    if logits.device.type == "cpu" and logits.is_contiguous() and logits.shape[-1] > 0:
+        kernels = load_cpu_kernels()
+        if kernels is not None and logits.dtype in ACT_DTYPES:
+            return kernels.argmax_rows(logits)
+    return logits.argmax(dim=-1)
 
 
 def mask_stop_ids(
