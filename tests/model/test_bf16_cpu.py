@@ -101,14 +101,14 @@ def test_rotary_qk_rotates_in_place_as_the_eager_rotary(
 
 
 def _paged_case(
-    gen: torch.Generator, kv_dtype: torch.dtype
+    gen: torch.Generator, kv_dtype: torch.dtype, kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM
 ) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """17 requests of random lengths (one of 1, one of two 16-position tiles) in scattered
     KV slots: (lens, K, V, req_to_token, req_slots, the new token's slot)."""
     lens = [int(n) for n in torch.randint(1, 100, (17,), generator=gen)]
     lens[1], lens[2] = 1, 32
-    k_buf = torch.randn(2048, KV_HEADS, HEAD_DIM, generator=gen).to(kv_dtype)
-    v_buf = torch.randn(2048, KV_HEADS, HEAD_DIM, generator=gen).to(kv_dtype)
+    k_buf = torch.randn(2048, kv_heads, head_dim, generator=gen).to(kv_dtype)
+    v_buf = torch.randn(2048, kv_heads, head_dim, generator=gen).to(kv_dtype)
     slots = torch.randperm(2047, generator=gen)[: sum(lens)] + 1
     table = torch.zeros(20, 100, dtype=torch.int32)
     req_slots = torch.randperm(20, generator=gen)[: len(lens)]
@@ -173,13 +173,20 @@ def test_bf16_decode_layer_matches_eager_rotary_store_and_sdpa(
     torch.testing.assert_close(out.float(), eager.float(), atol=4e-3, rtol=4 * BF16_ULP)
 
 
-def test_bf16_decode_attention_matches_eager_sdpa(kernels: CpuKernels) -> None:
+# (query heads, KV heads, head_dim): SmolLM2's, Llama-3's, and one the bfloat16 dot-product
+# path takes in three 32-wide pieces.
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim", [(HEADS, KV_HEADS, HEAD_DIM), (8, 2, 128), (4, 4, 96)]
+)
+def test_bf16_decode_attention_matches_eager_sdpa(
+    kernels: CpuKernels, heads: int, kv_heads: int, head_dim: int
+) -> None:
     gen = torch.Generator().manual_seed(3)
-    lens, k_buf, v_buf, table, req_slots, _ = _paged_case(gen, BF16)
-    q = torch.randn(len(lens), HEADS, HEAD_DIM, generator=gen).to(BF16)
+    lens, k_buf, v_buf, table, req_slots, _ = _paged_case(gen, BF16, kv_heads, head_dim)
+    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(BF16)
     out = torch.empty_like(q)
     kernels.decode_attention(
-        q, k_buf, v_buf, table, req_slots, torch.tensor(lens), out, HEAD_DIM**-0.5
+        q, k_buf, v_buf, table, req_slots, torch.tensor(lens), out, head_dim**-0.5
     )
     exact, eager = _attention_refs(q, k_buf, v_buf, table, req_slots, lens)
     torch.testing.assert_close(out.float(), exact, atol=1e-5, rtol=BF16_ULP)

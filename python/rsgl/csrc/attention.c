@@ -20,6 +20,7 @@
 #undef KV_STORE
 #undef KV_LOAD16
 #undef KV_AVX512
+#undef ATTEND_Q16
 
 /* float16: needs the compiler's _Float16 (GCC 12, clang 15 on x86-64) */
 #if defined(__FLT16_MAX__)
@@ -40,6 +41,7 @@
 #undef KV_STORE
 #undef KV_LOAD16
 #undef KV_AVX512
+#undef ATTEND_Q16
 #endif
 
 /* bfloat16 */
@@ -49,6 +51,7 @@
 #define KV_STORE(p, i, x) bf16_store(p, i, x)
 #define KV_LOAD16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(p))), 16))
 #define KV_AVX512 1
+#define KV_DPBF16 1
 #include "attention_impl.h"
 #define ACT_BF16 0
 #include "decode_impl.h"
@@ -61,4 +64,6 @@
 #undef KV_STORE
 #undef KV_LOAD16
 #undef KV_AVX512
+#undef ATTEND_Q16
+#undef KV_DPBF16
 #endif

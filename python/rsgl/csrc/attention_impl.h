@@ -110,6 +110,27 @@ static inline __attribute__((always_inline)) void FN(v_group)(
             _mm512_storeu_ps(ob + (h0 + g) * D + 16 * c, acc[g * C + c]);
 }
 
+/* ob = the probabilities sc ([H, len]) times V: per kv head, its query heads in groups of
+   up to 4 (and 16 / C), so the group's accumulators stay in registers over all positions. */
+static inline __attribute__((always_inline)) void FN(v_pass)(
+    const float* sc, const KV_T* vb, const int32_t* slots, int64_t len, int64_t H,
+    int64_t Hkv, const int64_t D, float* ob) {
+    const int64_t G = H / Hkv, C = D / 16, row = Hkv * D;
+    const int64_t NG = C >= 16 ? 1 : (16 / C < 4 ? 16 / C : 4);
+    for (int64_t j = 0; j < Hkv; j++) {
+        for (int64_t g0 = 0; g0 < G; g0 += NG) {
+            const int64_t h0 = j * G + g0;
+            const int pf = j == 0 && g0 == 0;
+            switch (G - g0 < NG ? G - g0 : NG) {
+                case 1: FN(v_group)(sc, vb, slots, len, row, j * D, C, 1, h0, pf, ob); break;
+                case 2: FN(v_group)(sc, vb, slots, len, row, j * D, C, 2, h0, pf, ob); break;
+                case 3: FN(v_group)(sc, vb, slots, len, row, j * D, C, 3, h0, pf, ob); break;
+                default: FN(v_group)(sc, vb, slots, len, row, j * D, C, 4, h0, pf, ob); break;
+            }
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void FN(attend_avx512_impl)(
     const float* qb, const KV_T* kb, const KV_T* vb, const int32_t* slots, int64_t len,
     int64_t H, int64_t Hkv, const int64_t D, float scale, float* sc, float* tmp, float* ob) {
@@ -156,21 +177,7 @@ static inline __attribute__((always_inline)) void FN(attend_avx512_impl)(
         }
     }
     softmax_rows(sc, H, len);
-    /* Per kv head, its query heads in groups of up to 4 (and 16 / C), so the group's
-       accumulators stay in registers over all positions. */
-    const int64_t NG = C >= 16 ? 1 : (16 / C < 4 ? 16 / C : 4);
-    for (int64_t j = 0; j < Hkv; j++) {
-        for (int64_t g0 = 0; g0 < G; g0 += NG) {
-            const int64_t h0 = j * G + g0;
-            const int pf = j == 0 && g0 == 0;
-            switch (G - g0 < NG ? G - g0 : NG) {
-                case 1: FN(v_group)(sc, vb, slots, len, row, j * D, C, 1, h0, pf, ob); break;
-                case 2: FN(v_group)(sc, vb, slots, len, row, j * D, C, 2, h0, pf, ob); break;
-                case 3: FN(v_group)(sc, vb, slots, len, row, j * D, C, 3, h0, pf, ob); break;
-                default: FN(v_group)(sc, vb, slots, len, row, j * D, C, 4, h0, pf, ob); break;
-            }
-        }
-    }
+    FN(v_pass)(sc, vb, slots, len, H, Hkv, D, ob);
 }
 #endif
 
@@ -197,3 +204,82 @@ static void FN(attend_one)(const float* qb, const KV_T* kb, const KV_T* vb,
     else
         FN(attend_impl)(qb, kb, vb, slots, len, H, Hkv, D, scale, sc, tmp, ob);
 }
+
+#if defined(KV_DPBF16) && defined(__AVX512BF16__)
+/* bfloat16 queries over a bfloat16 cache, for D a multiple of 32 up to 256: the scores
+   through AVX512-BF16's dot product (VDPBF16PS: 32 bfloat16 pairs per instruction, each
+   product exact, summed into 16 float32 lanes), so no K row is widened and a score takes
+   half the instructions. The query must hold bfloat16 values (it does for bfloat16
+   activations: decode_impl rounds it), so packing it is exact and the scores differ from
+   the widened path's only in summation order. The softmax and the V pass are the AVX-512
+   path's. Measured on one Xeon core (AMX, AVX512-BF16), SmolLM2's shapes (9 query heads,
+   3 KV heads, D 64) at batch 64 x 164 positions: see attend_one. */
+static inline __attribute__((always_inline)) void FN(attend_dp_impl)(
+    const float* qb, const KV_T* kb, const KV_T* vb, const int32_t* slots, int64_t len,
+    int64_t H, int64_t Hkv, const int64_t D, float scale, float* sc, float* tmp, float* ob) {
+    const int64_t G = H / Hkv, C2 = D / 32, row = Hkv * D;
+    const int64_t row_bytes = row * (int64_t)sizeof(KV_T);
+    const __m512 vscale = _mm512_set1_ps(scale);
+    /* The packed query: H x C2 vectors of 32 bfloat16. tmp holds the parked partial sums
+       (H x 16 vectors), as in attend_avx512_impl. */
+    __m512bh qv[H * C2];
+    float* part = tmp + row;
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t c = 0; c < C2; c++) {
+            const float* q = qb + h * D + 32 * c;
+            qv[h * C2 + c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 16), _mm512_loadu_ps(q));
+        }
+    int64_t s0 = 0;
+    for (; s0 + 16 <= len; s0 += 16) {
+        for (int64_t t = 0; t < 16; t++) {
+            const int64_t s = s0 + t;
+            if (s + PREFETCH_AHEAD < len)
+                prefetch_bytes(kb + (int64_t)slots[s + PREFETCH_AHEAD] * row, row_bytes);
+            const KV_T* k = kb + (int64_t)slots[s] * row;
+            for (int64_t j = 0; j < Hkv; j++) {
+                __m512bh kc[8];
+                for (int64_t c = 0; c < C2; c++)
+                    kc[c] = (__m512bh)_mm512_loadu_si512(k + j * D + 32 * c);
+                for (int64_t h = j * G; h < (j + 1) * G; h++) {
+                    __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[h * C2], kc[0]);
+                    for (int64_t c = 1; c < C2; c++) a = _mm512_dpbf16_ps(a, qv[h * C2 + c], kc[c]);
+                    _mm512_storeu_ps(part + (h * 16 + t) * 16, a);
+                }
+            }
+        }
+        for (int64_t h = 0; h < H; h++) {
+            __m512 v[16];
+            for (int64_t t = 0; t < 16; t++) v[t] = _mm512_loadu_ps(part + (h * 16 + t) * 16);
+            _mm512_storeu_ps(sc + h * len + s0, _mm512_mul_ps(FN(sum16)(v), vscale));
+        }
+    }
+    for (int64_t s = s0; s < len; s++) {
+        const KV_T* k = kb + (int64_t)slots[s] * row;
+        for (int64_t h = 0; h < H; h++) {
+            const KV_T* kh = k + (h / G) * D;
+            __m512 a = _mm512_setzero_ps();
+            for (int64_t c = 0; c < C2; c++)
+                a = _mm512_dpbf16_ps(a, qv[h * C2 + c], (__m512bh)_mm512_loadu_si512(kh + 32 * c));
+            sc[h * len + s] = _mm512_reduce_add_ps(a) * scale;
+        }
+    }
+    softmax_rows(sc, H, len);
+    FN(v_pass)(sc, vb, slots, len, H, Hkv, D, ob);
+}
+
+/* attend_one for queries that hold bfloat16 values (see attend_dp_impl). */
+static void FN(attend_one_q16)(const float* qb, const KV_T* kb, const KV_T* vb,
+                               const int32_t* slots, int64_t len, int64_t H, int64_t Hkv,
+                               int64_t D, float scale, float* sc, float* tmp, float* ob) {
+    if (D == 64)
+        return FN(attend_dp_impl)(qb, kb, vb, slots, len, H, Hkv, 64, scale, sc, tmp, ob);
+    if (D == 128)
+        return FN(attend_dp_impl)(qb, kb, vb, slots, len, H, Hkv, 128, scale, sc, tmp, ob);
+    if (D % 32 == 0 && D <= 256)
+        return FN(attend_dp_impl)(qb, kb, vb, slots, len, H, Hkv, D, scale, sc, tmp, ob);
+    FN(attend_one)(qb, kb, vb, slots, len, H, Hkv, D, scale, sc, tmp, ob);
+}
+#define ATTEND_Q16 FN(attend_one_q16)
+#else
+#define ATTEND_Q16 FN(attend_one)
+#endif

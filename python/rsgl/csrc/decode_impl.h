@@ -4,13 +4,16 @@
    activation dtype, with ACT_BF16 defined: 1 for bfloat16 q/qkv/out rows, 0 for float32.
    Names carry both: rsgl_decode_layer_bf16_f16 takes bfloat16 rows over a float16 cache.
    Attention itself runs on float32 queries (FN(attend_one)); bfloat16 rows are widened on
-   the way in and rounded to nearest even on the way out. */
+   the way in and rounded to nearest even on the way out. Their queries hold bfloat16
+   values, which ATTEND_Q16 (attention_impl.h) may use for the scores. */
 #if ACT_BF16
+#define ATTEND ATTEND_Q16
 #define ACT_T uint16_t
 #define ACT_LOAD(p, i) bf16_to_f32((p)[i])
 #define ACT_ROUND(x) bf16_round(x)
 #define ENTRY(name) FN_EXPAND(name, FN_EXPAND(bf16, KV_SUFFIX))
 #else
+#define ATTEND FN(attend_one)
 #define ACT_T float
 #define ACT_LOAD(p, i) ((p)[i])
 #define ACT_ROUND(x) (x)
@@ -42,7 +45,7 @@ void ENTRY(rsgl_decode_attention)(
         const float* qf = q + b * H * D;
         float* of = out + b * H * D;
 #endif
-        FN(attend_one)(qf, kb, vb, req_to_token + req_slots[b] * r2t_stride, len, H, Hkv, D,
+        ATTEND(qf, kb, vb, req_to_token + req_slots[b] * r2t_stride, len, H, Hkv, D,
                        scale, sc, tmp, of);
 #if ACT_BF16
         for (int64_t i = 0; i < H * D; i++) bf16_store(out + b * H * D, i, of[i]);
@@ -103,7 +106,7 @@ void ENTRY(rsgl_decode_layer)(
         const ACT_T* v = x + (H + Hkv) * D;
         KV_T* vdst = vb + loc[b] * row;
         for (int64_t i = 0; i < row; i++) KV_STORE(vdst, i, ACT_LOAD(v, i));
-        FN(attend_one)(q, kb, vb, req_to_token + req_slots[b] * r2t_stride, len, H, Hkv, D,
+        ATTEND(q, kb, vb, req_to_token + req_slots[b] * r2t_stride, len, H, Hkv, D,
                        scale, sc, tmp, of);
 #if ACT_BF16
         for (int64_t i = 0; i < H * D; i++) bf16_store(out + b * H * D, i, of[i]);
@@ -112,6 +115,7 @@ void ENTRY(rsgl_decode_layer)(
     }
 }
 
+#undef ATTEND
 #undef ACT_T
 #undef ACT_LOAD
 #undef ACT_ROUND
