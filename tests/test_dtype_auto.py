@@ -13,6 +13,7 @@ import torch
 from rsgl.args import EngineArgs
 from rsgl.cpu_features import cpu_bf16_features
 from rsgl.engine import Engine
+from rsgl.model_executor.executor import run_on_compute_thread
 from rsgl.models.dtype_choice import (
     MIN_BF16_SPEEDUP,
     Bf16Speedup,
@@ -93,16 +94,18 @@ def test_the_real_calibration_is_quick_and_measures_both_shapes() -> None:
 
 @pytest.fixture
 def restore_threads() -> Iterator[None]:
-    threads = torch.get_num_threads()
+    """The Engine sets the intra-op threads of the compute thread, where its torch ops run
+    (OpenMP's thread count is per thread)."""
+    threads = run_on_compute_thread(torch.get_num_threads)
     yield
-    torch.set_num_threads(threads)
+    run_on_compute_thread(lambda: torch.set_num_threads(threads))
 
 
 @pytest.mark.usefixtures("restore_threads")
 def test_server_info_reports_a_forced_dtype_and_the_threads_set() -> None:
     with Engine(load_format="null", dtype="bfloat16", cpu_threads=1) as engine:
         info = engine.get_server_info()
-        assert torch.get_num_threads() == 1
+        assert run_on_compute_thread(torch.get_num_threads) == 1
     assert info["dtype"] == "bfloat16" and info["cpu_threads"] == 1
     assert info["dtype_choice"] == {
         "chosen": "bfloat16",
