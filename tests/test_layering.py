@@ -16,6 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "python" / "rsgl"
 
 # package -> the packages (or `engine`, a module) it must not import at run time.
 FORBIDDEN = {
+    "distributed": {"layers", "models", "model_executor", "scheduler", "server", "engine"},
     "layers": {"models", "model_executor"},
     "models": {"model_executor"},
     "model_executor": {"scheduler", "server", "engine"},

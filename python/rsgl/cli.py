@@ -13,6 +13,7 @@ BENCHMARKS: dict[str, str] = {
     "serving": "rsgl.bench.serving",
     "soak": "rsgl.bench.soak",
     "overhead": "rsgl.bench.overhead",
+    "collectives": "rsgl.bench.collectives",
 }
 
 

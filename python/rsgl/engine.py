@@ -16,7 +16,7 @@ import sys
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 
@@ -25,6 +25,7 @@ from rsgl.args import EngineArgs
 from rsgl.cpu_features import default_cpu_threads
 from rsgl.errors import InvalidRequest
 from rsgl.gc_tuning import freeze_startup_objects
+from rsgl.model_executor.executor import on_compute_thread, run_on_compute_thread
 from rsgl.model_executor.kv_cache import KVCache, resolve_kv_cache_dtype
 from rsgl.model_executor.model_runner import ModelRunner
 from rsgl.model_executor.null_runner import NullRunner
@@ -36,6 +37,10 @@ from rsgl.scheduler.loop import SchedulerLoop
 from rsgl.tokenizer.loader import load_tokenizer
 from rsgl.tokenizer.output_processor import OutputProcessor, OutputQueue, RequestRecord
 from rsgl.validation import expand_requests, make_sampling_params, tokenize_prompt
+
+if TYPE_CHECKING:
+    from rsgl.distributed.sharding import TPShard
+    from rsgl.server.threaded_frontend import ThreadedFrontend
 
 logger = logging.getLogger(__name__)
 
@@ -65,13 +70,18 @@ class ModelStack:
     kv_cache_dtype: str
     dtype_choice: DtypeChoice
     cpu_threads: int
+    # Every tensor-parallel rank's slice of the model; empty with tp_size 1.
+    tp_shards: tuple[TPShard, ...] = ()
 
     def info(self) -> dict[str, Any]:
-        """How the model runs, for get_server_info: its dtype and why, and the threads."""
+        """How the model runs, for get_server_info: its dtype and why, the threads, and the
+        tensor-parallel ranks' slices (query / KV heads, intermediate units, vocabulary)."""
         return {
             "dtype": self.dtype_choice.chosen,
             "dtype_choice": self.dtype_choice.to_dict(),
             "cpu_threads": self.cpu_threads,
+            "tp_size": max(1, len(self.tp_shards)),
+            "tp_shards": [shard.to_dict() for shard in self.tp_shards],
         }
 
 
@@ -80,12 +90,19 @@ def build_stack(args: EngineArgs) -> ModelStack:
 
     Sets torch's intra-op threads for this process first (`--cpu-threads`: the Engine's
     process, or the server's scheduler process), so the dtype calibration and the model
-    run with the threads they will be served with.
+    run with the threads they will be served with. On CPU it all runs on the process's
+    compute thread, where the steps will run (`run_on_compute_thread` says why). With
+    tp_size > 1 this process becomes tensor-parallel rank 0 (`_tp_stack`); the ranks of a
+    node share its cores, and each defaults to its share of them.
     """
+    if torch.device(args.device).type == "cpu" and not on_compute_thread():
+        return run_on_compute_thread(lambda: build_stack(args))
     from rsgl.models.loader import load_model
 
     torch.manual_seed(args.seed)
     cpu_threads = args.cpu_threads or default_cpu_threads()
+    if args.tp_size > 1 and not args.cpu_threads:
+        cpu_threads = max(1, cpu_threads // (args.tp_size // args.nnodes))
     torch.set_num_threads(cpu_threads)
     logger.info("torch intra-op threads: %d", cpu_threads)
     if args.load_format == "null":
@@ -97,6 +114,8 @@ def build_stack(args: EngineArgs) -> ModelStack:
             f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})"
         )
     choice = choose_dtype(args.dtype, device)
+    if args.tp_size > 1:
+        return _tp_stack(args, device, choice, cpu_threads)
     loaded = load_model(
         args.model_path,
         device=device,
@@ -132,6 +151,88 @@ def build_stack(args: EngineArgs) -> ModelStack:
         kv_name,
         choice,
         cpu_threads,
+    )
+
+
+def _tp_stack(
+    args: EngineArgs, device: torch.device, choice: DtypeChoice, cpu_threads: int
+) -> ModelStack:
+    """Rank 0 of a tensor-parallel group: starts the followers, loads rank 0's shard, sizes
+    the core, and returns a stack whose runner sends every step to the followers
+    (`TPRunner`, whose `close` stops them). See `rsgl.model_executor.tp_launch`."""
+    from rsgl.distributed.group import TPRank
+    from rsgl.model_executor.tp_launch import (
+        LoadSpec,
+        RunnerSpec,
+        check_tensor_parallel,
+        start_followers,
+        start_runner,
+    )
+    from rsgl.models.loader import load_model, resolve_model_dir
+
+    model_dir = resolve_model_dir(args.model_path)
+    config = ModelConfig.from_model_dir(model_dir)
+    shards = check_tensor_parallel(args, config)
+    load = LoadSpec(
+        args.model_path,
+        choice.chosen,
+        args.load_format,
+        args.seed,
+        args.context_length,
+        cpu_threads,
+    )
+    followers = start_followers(args, device, load)
+    try:
+        loaded = load_model(
+            args.model_path,
+            device=device,
+            dtype=choice.torch_dtype,
+            max_positions=args.context_length,
+            load_format=args.load_format,
+            seed=args.seed,
+            tp=TPRank(shards[0], followers.group),
+        )
+        context_length = args.context_length or config.max_position_embeddings
+        tokenizer = load_tokenizer(args.tokenizer_path or model_dir)
+        max_total_tokens = args.max_total_tokens or _pool_tokens(args, config, loaded.dtype, shards)
+        core = _core(args, max_total_tokens, context_length, config)
+        spec = RunnerSpec(
+            kv_buffer_size=core.kv_buffer_size,
+            max_running_requests=args.max_running_requests,
+            context_len=context_length,
+            attention_backend=args.attention_backend,
+            kv_cache_dtype=args.kv_cache_dtype,
+            endpoints={},
+        )
+        runner = start_runner(
+            followers,
+            loaded,
+            spec,
+            kv_buffer_size=spec.kv_buffer_size,
+            max_running_requests=spec.max_running_requests,
+            context_len=spec.context_len,
+            attention_backend=spec.attention_backend,
+            kv_cache_dtype=spec.kv_cache_dtype,
+            seed=args.seed,
+            cuda_graph_max_bs=args.cuda_graph_max_bs,
+            disable_cuda_graph=args.disable_cuda_graph,
+        )
+    except BaseException:
+        followers.close(kill=True)
+        raise
+    kv_name = str(runner.kv_cache.dtype).removeprefix("torch.")
+    return ModelStack(
+        tokenizer,
+        core,
+        runner,
+        config,
+        model_dir,
+        context_length,
+        max_total_tokens,
+        kv_name,
+        choice,
+        cpu_threads,
+        tuple(shards),
     )
 
 
@@ -190,17 +291,30 @@ def _core(
     )
 
 
-def _pool_tokens(args: EngineArgs, config: ModelConfig, model_dtype: torch.dtype) -> int:
+def _pool_tokens(
+    args: EngineArgs,
+    config: ModelConfig,
+    model_dtype: torch.dtype,
+    shards: Sequence[TPShard] = (),
+) -> int:
     """KV pool size in tokens.
 
     CPU: `mem_fraction` of the machine's memory (a default share, capped). CUDA, as SGLang's
     `--mem-fraction-static`: weights and KV pool together take that share of the GPU, so
     the pool gets it minus what is in use once the weights are loaded; the rest is left to
     activations, the sampler and CUDA graphs.
+
+    Tensor-parallel ranks hold every slot, each for its own KV heads: on CUDA a slot costs
+    a device what the rank with the most heads stores; on CPU the node's ranks share one
+    memory, so it costs their heads together (replicated heads count on every rank).
     """
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, model_dtype)
     per_token = KVCache.bytes_per_slot(config, kv_dtype)
     device = torch.device(args.device)
+    if shards:
+        per_rank = [KVCache.bytes_per_slot(config, kv_dtype, s.num_kv_heads) for s in shards]
+        on_node = per_rank[: args.tp_size // args.nnodes]
+        per_token = max(per_rank) if device.type == "cuda" else sum(on_node)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = total * (args.mem_fraction or DEFAULT_CUDA_MEM_FRACTION) - (total - free)
@@ -218,17 +332,32 @@ def _pool_tokens(args: EngineArgs, config: ModelConfig, model_dtype: torch.dtype
 
 
 class Engine:
-    """An LLM engine in this process: continuous batching over a paged KV cache with a
-    radix prefix cache, chunked prefill, retraction and overlap scheduling.
+    """An LLM engine: continuous batching over a paged KV cache with a radix prefix cache,
+    chunked prefill, retraction and overlap scheduling.
 
     `Engine(model_path=None, **options)` loads the model (None: the embedded SmolLM2) with
     SGLang's option names (see `EngineArgs`). The loop thread starts with the first request.
     Results are dicts: `{"text", "output_ids", "meta_info": {"id", "finish_reason",
     "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency"}}`.
+
+    With `dp_size=N > 1` the model runs in N scheduler processes (data-parallel replicas),
+    driven through the server's frontend and dispatcher (`load_balance_method`) on a thread
+    of their own: the same requests, outputs and errors, one request path. `core`, `runner`
+    and `stack` then do not exist in this process; `shutdown` stops the processes. They are
+    spawned, so a script creates such an Engine under `if __name__ == "__main__":` (the
+    children import the main module, as with any multiprocessing spawn).
     """
+
+    core: Scheduler
+    runner: ModelRunner | NullRunner
+    stack: ModelStack
 
     def __init__(self, model_path: str | None = None, **options: Any) -> None:
         self.args = EngineArgs.from_options(model_path, options)
+        self._replicas: ThreadedFrontend | None = None
+        if self.args.dp_size > 1:
+            self._start_replicas()
+            return
         self.stack = stack = build_stack(self.args)
         self.tokenizer = stack.tokenizer
         self.core = stack.core
@@ -251,6 +380,20 @@ class Engine:
         )
         freeze_startup_objects()
 
+    def _start_replicas(self) -> None:
+        """dp_size > 1: start the scheduler processes (every rank loads the model) and
+        take the request limits from what they report."""
+        from rsgl.server.threaded_frontend import ThreadedFrontend
+
+        self._replicas = replicas = ThreadedFrontend(self.args)
+        info = replicas.live.info
+        self.tokenizer = replicas.tokenizer
+        self.context_length = int(info["context_length"])
+        self.max_total_tokens = int(info["max_total_tokens"])
+        self.limits = self.args.request_limits(
+            int(info["vocab_size"]), self.context_length, int(info["max_prompt_len"])
+        )
+
     # ------------------------------------------------------------------ requests
 
     def _prompt_ids(self, prompt: Prompt | None, messages: Messages | None) -> list[int]:
@@ -271,6 +414,13 @@ class Engine:
         """Queues validated requests in one loop command, so they are prefilled together.
         Without `stream`, each queue yields one merged output."""
         jobs = expand_requests(prompts, params, rid)
+        if self._replicas is not None:
+            queues = [
+                OutputQueue(aio_loop, stream=stream, interval=self.args.stream_interval)
+                for _ in jobs
+            ]
+            self._replicas.submit(jobs, queues, stream)
+            return queues
         records = [
             RequestRecord(
                 j.rid,
@@ -402,6 +552,8 @@ class Engine:
 
     def abort(self, rid: str) -> bool:
         """Aborts a queued or running request; False if it is unknown or finished."""
+        if self._replicas is not None:
+            return self._replicas.abort(rid)
         return self._loop.abort(rid) if self._loop_running else False
 
     @property
@@ -409,21 +561,31 @@ class Engine:
         return self._loop._thread is not None
 
     def flush_cache(self) -> bool:
-        """Empties the prefix cache; only possible when no request is in the engine."""
+        """Empties the prefix cache (every rank's); only possible when no request is in
+        the engine."""
+        if self._replicas is not None:
+            return self._replicas.flush_cache()
         if not self._loop_running:
             return self.core.flush_cache()
         return bool(self._loop.call(self.core.flush_cache))
 
     def check_integrity(self) -> None:
-        """Runs the core's integrity check (raises RuntimeError naming what is broken)."""
-        if not self._loop_running:
+        """Runs the core's integrity check, every rank's (raises RuntimeError naming what
+        is broken, and where)."""
+        if self._replicas is not None:
+            self._replicas.check_integrity()
+        elif not self._loop_running:
             self.core.check()
         else:
             self._loop.call(self.core.check)
 
     def get_server_info(self) -> dict[str, Any]:
-        """Options, derived sizes and the core's live statistics."""
+        """Options, derived sizes and the core's live statistics (with dp_size > 1: the
+        ranks' summed, and each rank's in `internal_states`)."""
         info = dataclasses.asdict(self.args)
+        if self._replicas is not None:
+            info.update(self._replicas.server_info())
+            return info
         info.update(
             self.stack.info(),
             context_length=self.context_length,
@@ -440,7 +602,10 @@ class Engine:
 
     def shutdown(self) -> None:
         """Stops the loop (aborting what is left) and its stream, and frees the model's
-        device memory."""
+        device memory; with dp_size > 1, stops the scheduler processes."""
+        if self._replicas is not None:
+            self._replicas.shutdown()
+            return
         try:
             self._loop.shutdown()
         finally:

@@ -16,3 +16,9 @@ class InvalidRequest(ValueError):
 class SamplingParamError(InvalidRequest):
     """A sampling parameter out of its range; `param` is its SamplingParams name (callers
     translate it to their API's spelling)."""
+
+
+class FatalStepError(RuntimeError):
+    """A step failed in a way that leaves the engine unable to run another (a dead
+    tensor-parallel rank, ranks out of step): the loop stops at once instead of failing
+    step after step."""

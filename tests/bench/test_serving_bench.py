@@ -16,7 +16,15 @@ import pytest
 from aiohttp import web
 
 from rsgl.bench import serving
-from rsgl.bench.serving import BenchConfig, BenchRequest, run_benchmark, summarize
+from rsgl.bench.serving import (
+    BenchConfig,
+    BenchRequest,
+    BenchRun,
+    RequestResult,
+    format_table,
+    run_benchmark,
+    summarize,
+)
 
 TOKEN_DELAY_S = 0.002
 
@@ -307,3 +315,16 @@ def test_cli_prints_and_appends_the_json_result(
     assert "Mean TTFT (ms)" in stdout and json.dumps(first) in stdout.splitlines()
     assert server.state.max_in_flight <= 3
     assert not math.isnan(first["p99_itl_ms"])
+
+
+def test_the_cache_hit_rate_is_the_servers_cached_tokens_over_the_prompts() -> None:
+    results = [
+        RequestResult(success=True, prompt_len=100, output_tokens=2, cached_tokens=80),
+        RequestResult(success=True, prompt_len=100, output_tokens=2, cached_tokens=0),
+        RequestResult(success=False, prompt_len=100, cached_tokens=100),  # failed: not counted
+    ]
+    summary = summarize(BenchRun(results, 1.0))
+    assert summary["total_cached_tokens"] == 80 and summary["cache_hit_rate"] == 0.4
+    silent = summarize(BenchRun([RequestResult(success=True, prompt_len=10)], 1.0))
+    assert silent["cache_hit_rate"] is None
+    assert "n/a" in format_table(silent)

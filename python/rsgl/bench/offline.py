@@ -2,11 +2,14 @@
 
     rsgl bench offline --num-prompts 64 --input-len 100 --output-len 128 --compare-hf
     rsgl bench offline --dataset gsp --compare-radix
+    rsgl bench offline --tp-size 2 --profile-collectives
 
 Prompts are seeded random token ids (`random`), or 16 groups x 16 prompts sharing a
 1024-token system prompt (`gsp`). Every request is greedy with ignore_eos, so both systems
 produce exactly `output_len` tokens per prompt. HF runs static batches of 32 and 64 (its
-best is reported). Prints one JSON object.
+best is reported). With `--profile-collectives` (tp_size > 1) rank 0 counts and times its
+collectives during the main run (their share of it includes waiting for the slower rank),
+and `rsgl.bench.collectives` times them alone at batch 1, 16 and 64. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -41,13 +44,22 @@ def make_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
     return [prompts[i] for i in order]
 
 
-def run_rsgl(prompts: list[list[int]], output_len: int, **options: Any) -> dict[str, Any]:
+def run_rsgl(
+    prompts: list[list[int]], output_len: int, profile: bool = False, **options: Any
+) -> dict[str, Any]:
+    from rsgl.distributed.group import CollectiveProfile
     from rsgl.engine import Engine
+    from rsgl.model_executor.model_runner import ModelRunner
 
     params = {"temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True}
+    collectives = CollectiveProfile()
     with Engine(**options) as llm:
         llm.generate(input_ids=prompts[0][:16], sampling_params=dict(params, max_new_tokens=4))
         llm.flush_cache()
+        tp = llm.runner.loaded.tp if isinstance(llm.runner, ModelRunner) else None
+        if profile and tp is not None:
+            tp.group.profile = collectives
+        steps_before = llm.get_server_info()["steps"]
         start = time.perf_counter()
         outs = llm.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)
         elapsed = time.perf_counter() - start
@@ -55,13 +67,22 @@ def run_rsgl(prompts: list[list[int]], output_len: int, **options: Any) -> dict[
         stats = info["stats"]
     produced = sum(len(o["output_ids"]) for o in outs)
     assert produced == output_len * len(prompts), "ignore_eos: every prompt runs to the end"
-    return {
+    result = {
         "output_tok_s": round(produced / elapsed, 2),
         "seconds": round(elapsed, 3),
         "cached_tokens": int(stats["cached_tokens"]),
         "retractions": int(stats["retractions"]),
         "dtype": info["dtype"],
+        "tp_size": info.get("tp_size", 1),
     }
+    if collectives.calls:
+        steps = info["steps"] - steps_before
+        result["steps"] = steps
+        result["collectives_per_step"] = round(collectives.calls / steps, 1)
+        result["us_per_collective"] = round(collectives.seconds / collectives.calls * 1e6, 1)
+        result["ms_per_step"] = round(elapsed / steps * 1e3, 2)
+        result["collective_share_of_run"] = round(collectives.seconds / elapsed, 3)
+    return result
 
 
 def run_hf(
@@ -121,6 +142,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--cuda-graph-max-bs", type=int, default=160)
+    parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks")
+    parser.add_argument(
+        "--cpu-threads", type=int, default=None, help="per rank (default: the engine's)"
+    )
+    parser.add_argument(
+        "--profile-collectives",
+        action="store_true",
+        help="with --tp-size > 1: time rank 0's collectives, and time them alone",
+    )
     args = parser.parse_args(argv)
 
     from rsgl.models.config import ModelConfig
@@ -137,6 +167,8 @@ def main(argv: list[str]) -> int:
         "load_format": args.load_format,
         "attention_backend": args.attention_backend,
         "cuda_graph_max_bs": args.cuda_graph_max_bs,
+        "tp_size": args.tp_size,
+        "cpu_threads": args.cpu_threads,
     }
     result: dict[str, Any] = {
         "dataset": args.dataset,
@@ -146,8 +178,9 @@ def main(argv: list[str]) -> int:
         "kv_cache_dtype": args.kv_cache_dtype,
         "device": args.device,
         "torch_threads": torch.get_num_threads(),
+        "tp_size": args.tp_size,
     }
-    rsgl_run = run_rsgl(prompts, args.output_len, **engine)
+    rsgl_run = run_rsgl(prompts, args.output_len, args.profile_collectives, **engine)
     result["rsgl_output_tok_s"] = rsgl_run["output_tok_s"]
     result["rsgl"] = rsgl_run
     if not args.skip_no_overlap:
@@ -158,6 +191,16 @@ def main(argv: list[str]) -> int:
         no_cache = run_rsgl(prompts, args.output_len, disable_radix_cache=True, **engine)
         result["rsgl_no_radix_output_tok_s"] = no_cache["output_tok_s"]
         result["radix_speedup"] = round(rsgl_run["output_tok_s"] / no_cache["output_tok_s"], 3)
+    if args.profile_collectives and args.tp_size > 1:
+        from rsgl.bench.collectives import measure
+
+        config = ModelConfig.from_model_dir(model_dir)
+        result["collectives_alone"] = measure(
+            tp_size=args.tp_size,
+            hidden=config.hidden_size,
+            vocab=config.vocab_size,
+            device=args.device,
+        )
     if args.compare_hf:
         sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
         by_dtype = {

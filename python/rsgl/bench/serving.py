@@ -19,8 +19,10 @@ Backends:
 Metrics follow SGLang's bench_serving: TTFT = first non-empty chunk - send time; ITL = gaps
 between consecutive non-empty chunks (one chunk is one arrival, whatever it holds); TPOT =
 (E2E - TTFT) / (output tokens - 1) per request; throughputs are totals over the wall time from
-the first arrival to the last completion. Prints a table and one JSON line, and appends that
-JSON line to --output-file.
+the first arrival to the last completion. The prefix-cache hit rate is the servers' own
+count: prompt tokens served from the cache (usage.prompt_tokens_details.cached_tokens, or
+meta_info.cached_tokens) over the prompt tokens of the requests that report it. Prints a
+table and one JSON line, and appends that JSON line to --output-file.
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     generated_text: str = ""
     error: str = ""
+    # Prompt tokens the server took from its prefix cache (None: it does not say).
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,6 +247,9 @@ async def openai_completion(
                 usage = chunk.get("usage")
                 if usage and usage.get("completion_tokens") is not None:
                     usage_tokens = int(usage["completion_tokens"])
+                    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                    if cached is not None:
+                        result.cached_tokens = int(cached)
                 choices = chunk.get("choices") or []
                 text = (choices[0].get("text") or "") if choices else ""
                 if not text:
@@ -305,7 +312,10 @@ async def rsgl_generate(
                     result.error = error
                     return result
                 text = event.get("text") or ""
-                count = (event.get("meta_info") or {}).get("completion_tokens")
+                meta = event.get("meta_info") or {}
+                if meta.get("cached_tokens") is not None:
+                    result.cached_tokens = int(meta["cached_tokens"])
+                count = meta.get("completion_tokens")
                 if count is not None:
                     # As SGLang's bench: an event whose token count did not move brought nothing.
                     arrived = int(count) > (meta_tokens or 0)
@@ -455,6 +465,11 @@ def summarize(run: BenchRun) -> dict[str, Any]:
     summary |= _ms_stats("tpot", tpots)
     summary |= _ms_stats("itl", [gap for r in ok for gap in r.itl])
     summary |= _ms_stats("e2e", [r.e2e for r in ok])
+    reported = [r for r in ok if r.cached_tokens is not None]
+    cached = sum(r.cached_tokens or 0 for r in reported)
+    summary["total_cached_tokens"] = cached if reported else None
+    reported_prompt = sum(r.prompt_len for r in reported)
+    summary["cache_hit_rate"] = round(cached / reported_prompt, 4) if reported_prompt else None
     if errors:
         summary["first_error"] = errors[0]
     return summary
@@ -472,6 +487,8 @@ def format_table(summary: dict[str, Any]) -> str:
         ("Input token throughput (tok/s)", summary["input_throughput"]),
         ("Output token throughput (tok/s)", summary["output_throughput"]),
         ("Concurrency", summary["concurrency"]),
+        ("Total cached prompt tokens", _or_na(summary.get("total_cached_tokens"))),
+        ("Prefix cache hit rate", _or_na(summary.get("cache_hit_rate"))),
     ]
     for key, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E")):
         for stat, label in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
@@ -482,6 +499,10 @@ def format_table(summary: dict[str, Any]) -> str:
     if "first_error" in summary:
         lines.append(f"first error: {summary['first_error']}")
     return "\n".join(lines)
+
+
+def _or_na(value: Any) -> Any:
+    return "n/a" if value is None else value
 
 
 # ---------------------------------------------------------------------------------------------

@@ -53,22 +53,28 @@ class KVCache:
         kv_buffer_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        num_kv_heads: int | None = None,
     ) -> KVCache:
-        """A cache shaped for `config` holding `kv_buffer_size` slots."""
+        """A cache shaped for `config` holding `kv_buffer_size` slots (of `num_kv_heads`
+        heads: a tensor-parallel rank's; default all of the model's)."""
         return cls(
             kv_buffer_size,
             config.num_hidden_layers,
-            config.num_key_value_heads,
+            num_kv_heads or config.num_key_value_heads,
             config.head_dim,
             dtype,
             device,
         )
 
     @staticmethod
-    def bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
-        """Memory one KV slot costs across all layers (to size the pool from a budget)."""
+    def bytes_per_slot(
+        config: ModelConfig, dtype: torch.dtype, num_kv_heads: int | None = None
+    ) -> int:
+        """Memory one KV slot costs across all layers (to size the pool from a budget), for
+        `num_kv_heads` heads (default all of the model's)."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * config.num_hidden_layers * config.kv_size * elem
+        heads = num_kv_heads or config.num_key_value_heads
+        return 2 * config.num_hidden_layers * heads * config.head_dim * elem
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store this step's keys/values ([T, Hkv, D]) at KV slots `loc` ([T])."""

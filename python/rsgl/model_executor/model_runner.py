@@ -99,6 +99,10 @@ class ModelRunner:
     stream) then `execute(prepared)` (the forward stream); `step(plan)` does both. On CUDA,
     decode steps of up to `cuda_graph_max_bs` requests replay captured graphs unless
     `disable_cuda_graph`.
+
+    A tensor-parallel rank's runner (`loaded.tp`) holds the KV of its heads only, in the same
+    slots as every other rank, so one plan serves them all; it captures no CUDA graphs (the
+    collectives run eagerly).
     """
 
     def __init__(
@@ -122,15 +126,18 @@ class ModelRunner:
         self.context_len = context_len or self.config.max_position_embeddings
         self.max_running_requests = max_running_requests
         cfg = self.config
+        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        if loaded.tp is not None:
+            heads, kv_heads = loaded.tp.shard.num_heads, loaded.tp.shard.num_kv_heads
         kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
-        self.kv_cache = KVCache.for_model(cfg, kv_buffer_size, kv_dtype, self.device)
+        self.kv_cache = KVCache.for_model(cfg, kv_buffer_size, kv_dtype, self.device, kv_heads)
         self.req_to_token = ReqToTokenPool(max_running_requests, self.context_len, self.device)
         self.attn: AttentionBackend = create_attention_backend(
             attention_backend or default_attention_backend(self.device, self.dtype, kv_dtype),
             self.kv_cache,
             self.req_to_token,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
+            heads,
+            kv_heads,
             cfg.head_dim,
             model_dtype=self.dtype,
         )
@@ -144,7 +151,12 @@ class ModelRunner:
         )
         self.sampler = Sampler(self.device, seed)
         self.graphs: CudaGraphRunner | None = None
-        if self.device.type == "cuda" and not disable_cuda_graph and self.attn.supports_cuda_graph:
+        if (
+            self.device.type == "cuda"
+            and not disable_cuda_graph
+            and self.attn.supports_cuda_graph
+            and loaded.tp is None
+        ):
             self.graphs = self._capture_graphs(min(cuda_graph_max_bs, max_running_requests))
 
     def _capture_graphs(self, max_bs: int) -> CudaGraphRunner:

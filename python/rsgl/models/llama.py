@@ -13,10 +13,12 @@ from rsgl.layers.attention.base import AttentionBackend
 from rsgl.layers.cpu_kernels import ACT_DTYPES, load_cpu_kernels
 from rsgl.layers.linear import PackedLinear, can_pack, pack_linears
 from rsgl.layers.norm import RMSNorm
+from rsgl.layers.parallel import RowParallelLinear, VocabParallelEmbedding
 from rsgl.layers.rotary import RotaryEmbedding, apply_rotary, interleave_rotary_pairs
 from rsgl.models.config import ModelConfig
 
 if TYPE_CHECKING:
+    from rsgl.distributed.group import TPRank
     from rsgl.model_executor.forward_batch import ForwardBatch
 
 # HF checkpoint projection name -> (fused parameter, shard index).
@@ -43,20 +45,30 @@ class LlamaAttention(nn.Module):
 
     On CUDA the rotary is one Triton kernel that rotates q and k in place in the projection's
     output (`rsgl.layers.triton_kernels`), unless `use_triton` is off.
+
+    Under tensor parallelism (`tp`) the layer holds its rank's query and KV heads only (the
+    QKV projection is column-parallel) and o_proj is row-parallel: its all-reduce gives every
+    rank the whole attention output.
     """
 
-    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TPRank | None = None) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = config.num_attention_heads if tp is None else tp.shard.num_heads
+        self.num_kv_heads = config.num_key_value_heads if tp is None else tp.shard.num_kv_heads
         self.head_dim = config.head_dim
-        self.q_size = config.q_size
-        self.kv_size = config.kv_size
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj: nn.Linear | RowParallelLinear
+        if tp is None:
+            self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        else:
+            self.o_proj = RowParallelLinear(
+                self.q_size, config.hidden_size, config.o_bias, tp.group
+            )
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.use_triton = True
@@ -115,13 +127,19 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU with the gate and up projections fused into one matmul; the activation is one
     fused kernel on CPU in float32 or bfloat16 (C) and on CUDA (Triton, unless `use_triton`
-    is off)."""
+    is off). Under tensor parallelism (`tp`) the layer holds its rank's range of the
+    intermediate units: gate_up is column-parallel, down_proj row-parallel."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPRank | None = None) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        size = config.intermediate_size if tp is None else len(tp.shard.intermediate)
+        self.intermediate_size = size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * size, bias=False)
+        self.down_proj: nn.Linear | RowParallelLinear
+        if tp is None:
+            self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
+        else:
+            self.down_proj = RowParallelLinear(size, config.hidden_size, False, tp.group)
         self.use_triton = True
 
     def shard_sizes(self) -> list[int]:
@@ -154,10 +172,10 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks with residual connections."""
 
-    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TPRank | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, layer_id, tp)
+        self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -184,11 +202,15 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (HF's `model.` prefix)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPRank | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens: nn.Embedding | VocabParallelEmbedding
+        if tp is None:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(tp.shard.vocab, config.hidden_size, tp.group)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -198,15 +220,22 @@ class LlamaForCausalLM(nn.Module):
 
     Parameter names follow HF checkpoints (`model.layers.N....`, `lm_head`) except that q/k/v
     and gate/up are fused; `load_weights` maps checkpoint tensors onto the fused shards.
+
+    With `tp` (tensor parallelism) the model is one rank's shard (`rsgl.distributed.sharding`):
+    `load_weights` reads the whole checkpoint and keeps the rank's rows and columns, the LM
+    head computes the rank's vocabulary slice and the logits are all-gathered, so every rank
+    returns the same full logits and samples the same tokens.
     """
 
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, tp: TPRank | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.tp = tp
+        self.model = LlamaModel(config, tp)
         self.lm_head: nn.Linear | None = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            vocab = config.vocab_size if tp is None else len(tp.shard.vocab)
+            self.lm_head = nn.Linear(config.hidden_size, vocab, bias=False)
         # Set by pack_cpu_weights: the LM head in oneDNN's layout. It replaces an untied head;
         # a tied one is also the embedding, whose plain copy stays for lookups.
         self.packed_lm_head: PackedLinear | None = None
@@ -228,8 +257,11 @@ class LlamaForCausalLM(nn.Module):
         """[B, hidden] final-normed states -> [B, vocab] logits."""
         if self.packed_lm_head is not None:
             logits: torch.Tensor = self.packed_lm_head(hidden)
-            return logits
-        return F.linear(hidden, self.lm_head_weight())
+        else:
+            logits = F.linear(hidden, self.lm_head_weight())
+        if self.tp is not None:
+            return self.tp.group.all_gather(logits, self.tp.shard.vocab_sizes)
+        return logits
 
     def set_triton_kernels(self, enabled: bool) -> None:
         """Turn the CUDA path's fused Triton kernels (norms, SwiGLU, rotary) on or off; off
@@ -245,6 +277,9 @@ class LlamaForCausalLM(nn.Module):
         if self.packed_lm_head is not None or not can_pack(self.model.embed_tokens.weight):
             return
         pack_linears(self.model)
+        for module in self.model.modules():
+            if isinstance(module, RowParallelLinear):
+                module.pack()
         self.packed_lm_head = PackedLinear(self.lm_head_weight(), None)
         self.lm_head = None
 
@@ -280,6 +315,7 @@ class LlamaForCausalLM(nn.Module):
                 continue  # tied: the embedding is the LM head
             if any(p in name for p in _PAIR_INTERLEAVED):
                 tensor = interleave_rotary_pairs(tensor, self.config.head_dim)
+            tensor = self._rank_slice(name, tensor)
             target, shard = name, -1
             for hf_name, (fused, index) in _FUSED_SHARDS.items():
                 if f".{hf_name}." in name:
@@ -311,3 +347,24 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")
+
+    def _rank_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of checkpoint tensor `name` (all of it without tensor
+        parallelism): rows of column-parallel and vocabulary-split tensors, input columns of
+        row-parallel weights. Norms and row-parallel biases are whole on every rank."""
+        if self.tp is None:
+            return tensor
+        shard, dim = self.tp.shard, self.config.head_dim
+        if ".q_proj." in name:
+            return tensor[shard.q_heads.start * dim : shard.q_heads.stop * dim]
+        if ".k_proj." in name or ".v_proj." in name:
+            return tensor[shard.kv_heads.start * dim : shard.kv_heads.stop * dim]
+        if name.endswith(".o_proj.weight"):
+            return tensor[:, shard.q_heads.start * dim : shard.q_heads.stop * dim]
+        if ".gate_proj." in name or ".up_proj." in name:
+            return tensor[shard.intermediate.start : shard.intermediate.stop]
+        if name.endswith(".down_proj.weight"):
+            return tensor[:, shard.intermediate.start : shard.intermediate.stop]
+        if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
+            return tensor[shard.vocab.start : shard.vocab.stop]
+        return tensor

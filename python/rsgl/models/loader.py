@@ -12,7 +12,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +20,9 @@ from rsgl.cache_dir import rsgl_cache_dir
 from rsgl.models.config import ModelConfig
 from rsgl.models.llama import LlamaForCausalLM
 from rsgl.models.registry import model_class
+
+if TYPE_CHECKING:
+    from rsgl.distributed.group import TPRank
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +42,8 @@ class LoadedModel:
     model_dir: Path
     dtype: torch.dtype
     device: torch.device
+    # This rank's slice and group under tensor parallelism; None: the whole model.
+    tp: TPRank | None = None
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
@@ -163,6 +168,7 @@ def load_model(
     pack_weights: bool | None = None,
     load_format: str = "auto",
     seed: int = 0,
+    tp: TPRank | None = None,
 ) -> LoadedModel:
     """Load a model directory, a GGUF file, or (None) the embedded SmolLM2 default.
 
@@ -171,6 +177,12 @@ def load_model(
     default on, unless the environment sets RSGL_ONEDNN=0 (to compare with `F.linear`).
     `load_format="dummy"` (as SGLang's and vLLM's) reads only `config.json` and fills the
     weights with seeded random values, so a Llama-3-8B-shaped benchmark needs no download.
+
+    With `tp` the model is one tensor-parallel rank's shard. Each rank reads the whole
+    checkpoint and keeps its slice: simple, and cheap for the models rsgl serves; a model
+    near a device's memory would want each rank to read only its slice of every tensor
+    (safetensors can). Dummy weights are drawn at the shard's shapes, so they are not a
+    slice of the tp_size=1 dummy model.
     """
     if pack_weights is None:
         pack_weights = os.environ.get("RSGL_ONEDNN", "1") != "0"
@@ -182,7 +194,7 @@ def load_model(
     positions = max_positions or config.max_position_embeddings
     # Build on the meta device so no time goes into random initialisation.
     with torch.device("meta"):
-        net = cls(config, positions)
+        net = cls(config, positions, tp)
     assert isinstance(net, LlamaForCausalLM)
     net = net.to_empty(device=device).to(dtype)
     if load_format == "dummy":
@@ -194,7 +206,7 @@ def load_model(
     net.eval()
     if pack_weights:
         net.pack_cpu_weights()
-    return LoadedModel(net, config, model_dir, dtype, device)
+    return LoadedModel(net, config, model_dir, dtype, device, tp)
 
 
 @torch.no_grad()

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from rsgl._core import FinishReason, Plan, Scheduler
+from rsgl.errors import FatalStepError
 from rsgl.model_executor.executor import LaunchedStep, StepExecutor
 from rsgl.model_executor.model_runner import StepOutput
 from rsgl.outputs import TokenUpdate
@@ -366,12 +367,13 @@ class SchedulerLoop:
     def is_fatal_step_error(exc: BaseException) -> bool:
         """Whether a step's error (or one it was raised from) leaves the process unusable: a
         CUDA error is sticky (a device-side assert poisons the context, and every later
-        kernel fails), so serving on would only fail every step after it."""
+        kernel fails), so serving on would only fail every step after it; a
+        `FatalStepError` (a broken tensor-parallel group) says so itself."""
         seen: set[int] = set()
         cause: BaseException | None = exc
         while cause is not None and id(cause) not in seen:
             seen.add(id(cause))
-            if isinstance(cause, torch.AcceleratorError):
+            if isinstance(cause, torch.AcceleratorError | FatalStepError):
                 return True
             if isinstance(cause, RuntimeError) and any(
                 mark in str(cause) for mark in ("CUDA error", "device-side assert")

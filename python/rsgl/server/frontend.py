@@ -1,10 +1,15 @@
 """The frontend's side of the engine: tokenized requests out, token ids in, text to clients.
 
-It runs in the HTTP process's event loop. Requests go to the scheduler process over ZeroMQ;
-each step's `TokenUpdate`s come back in one message and go through the same
-`OutputProcessor` the in-process Engine uses (stop strings found there are reported back so
-the scheduler stops the request), to each request's `OutputQueue`. Latency metrics are
-measured here, where the client sees them.
+It runs in the HTTP process's event loop (or, for `rsgl.Engine(dp_size > 1)`, in a thread of
+its own: `rsgl.server.threaded_frontend`). Requests go to the scheduler processes over
+ZeroMQ, one per data-parallel rank, the rank picked by the `Dispatcher`; each step's
+`TokenUpdate`s come back in one message and go through the same `OutputProcessor` the
+in-process Engine uses (stop strings found there are reported back so the scheduler stops
+the request), to each request's `OutputQueue`. Latency metrics are measured here, where the
+client sees them.
+
+A rank that dies takes only its own requests with it: they end with a 503 naming the rank,
+the dispatcher stops choosing it, and the other ranks keep serving (`rank_died`).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import zmq
@@ -24,6 +29,7 @@ from rsgl._core import FinishReason
 from rsgl.outputs import Output
 from rsgl.sampling_params import SamplingParams
 from rsgl.server import ipc
+from rsgl.server.dispatcher import Dispatcher, NoLiveRank
 from rsgl.server.metrics import ServerMetrics
 from rsgl.tokenizer.detokenizer import Decoder
 from rsgl.tokenizer.output_processor import OutputProcessor, OutputQueue, RequestRecord
@@ -31,6 +37,7 @@ from rsgl.tokenizer.output_processor import OutputProcessor, OutputQueue, Reques
 logger = logging.getLogger("rsgl.server")
 
 STATS_LOG_INTERVAL_S = 10.0
+# How long the ranks have to answer a question (a cache flush, an integrity check, stats).
 FLUSH_TIMEOUT_S = 30.0
 # How often deadlines and stalled streams are looked at.
 TIMER_INTERVAL_S = 0.25
@@ -45,41 +52,78 @@ class EngineUnavailable(RuntimeError):
 
 
 class Frontend:
-    """Submits requests to the scheduler process and routes its outputs back."""
+    """Submits requests to the scheduler processes and routes their outputs back.
+
+    `infos` are the ranks' `Ready` infos and `commands` their command sockets, one per
+    data-parallel rank; `events` is the one socket every rank sends to.
+    """
 
     def __init__(
         self,
         tokenizer: Decoder,
-        info: dict[str, Any],
+        infos: Sequence[dict[str, Any]],
         metrics: ServerMetrics,
-        commands: zmq.asyncio.Socket,
+        commands: Sequence[zmq.asyncio.Socket],
         events: zmq.asyncio.Socket,
         *,
+        load_balance_method: str = "round_robin",
         max_queued_requests: int | None = None,
         log_requests: bool = False,
         request_timeout_s: float | None = None,
         stream_stall_timeout_s: float = 30.0,
         stream_interval: int = 1,
     ) -> None:
+        if len(infos) != len(commands):
+            raise ValueError(f"{len(infos)} rank infos for {len(commands)} command sockets")
         self.processor = OutputProcessor(tokenizer, on_stop=self._on_stop, observer=self)
-        self.info = info
+        # The ranks are replicas of one model: rank 0 speaks for the model and its sizes.
+        self.rank_infos = list(infos)
+        self.info = self.rank_infos[0]
+        self.dp_size = len(commands)
         self.metrics = metrics
-        self.commands = commands
+        self.commands = list(commands)
         self.events = events
+        self.dispatcher = Dispatcher(
+            self.dp_size,
+            load_balance_method,
+            [int(i["max_total_tokens"]) for i in infos],
+            context_length=int(self.info["context_length"]),
+        )
         self.max_queued_requests = max_queued_requests
         self.log_requests = log_requests
         self.request_timeout_s = request_timeout_s
         self.stream_stall_timeout_s = stream_stall_timeout_s
         self.stream_interval = stream_interval
         self._groups: dict[str, set[str]] = {}  # client request id -> pending choice ids
-        self.stats: dict[str, Any] = {}
-        self.healthy = True
+        # Each rank's latest statistics ({} until its first arrive, and once it died).
+        self.rank_stats: list[dict[str, Any]] = [{} for _ in range(self.dp_size)]
+        # Ranks whose process died, with its exit code.
+        self.dead_ranks: dict[int, int | None] = {}
         # Set by a graceful shutdown: new requests are refused, running ones finish.
         self.draining = False
-        self._flushes: dict[int, asyncio.Future[bool]] = {}
+        # Answers awaited from the ranks, by (question token, rank).
+        self._replies: dict[tuple[int, int], asyncio.Future[Any]] = {}
         self._tokens = itertools.count()
-        self._last_log = time.perf_counter()
-        self._last_generated = 0
+        now = time.perf_counter()
+        self._last_log = [now] * self.dp_size
+        self._last_generated = [0] * self.dp_size
+
+    @property
+    def healthy(self) -> bool:
+        """At least one rank serves."""
+        return len(self.dead_ranks) < self.dp_size
+
+    @property
+    def degraded(self) -> bool:
+        """Some ranks died; the others serve."""
+        return 0 < len(self.dead_ranks) < self.dp_size
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """The live ranks' latest statistics, summed (one rank: its own, as it sent them);
+        `new_token_ratio`, a ratio, is their mean."""
+        live = [s for r, s in enumerate(self.rank_stats) if r not in self.dead_ranks and s]
+        return sum_stats(live)
 
     @property
     def pending(self) -> dict[str, RequestRecord]:
@@ -96,15 +140,23 @@ class Frontend:
         priority: int = 0,
         group: str | None = None,
         stream: bool = True,
+        *,
+        dp_rank: int | None = None,
+        queue: OutputQueue | None = None,
     ) -> RequestRecord:
-        """Sends a request; raises EngineUnavailable when unhealthy or the queue is full.
-        `group` is the client's request id when `rid` is one choice of several. A request
-        that does not `stream` gets one output, at its end; one that does gets one per
-        `stream_interval` tokens."""
+        """Sends a request; raises EngineUnavailable when no rank serves, the named
+        `dp_rank` does not, or the queue is full. `group` is the client's request id when
+        `rid` is one choice of several. A request that does not `stream` gets one output,
+        at its end; one that does gets one per `stream_interval` tokens. `queue` replaces
+        the asyncio queue of this loop (a caller on another thread brings its own)."""
         if not self.healthy:
             raise EngineUnavailable("the engine is not healthy")
         if self.draining:
             raise EngineUnavailable("the server is shutting down")
+        if dp_rank is not None and not (0 <= dp_rank < self.dp_size):
+            raise ValueError(f"data_parallel_rank must be in [0, {self.dp_size}), got {dp_rank}")
+        if dp_rank is not None and dp_rank in self.dead_ranks:
+            raise EngineUnavailable(f"data-parallel rank {dp_rank} is not serving (it died)")
         if self.max_queued_requests is not None:
             waiting = sum(1 for r in self.pending.values() if r.last_token_at is None)
             if waiting >= self.max_queued_requests:
@@ -114,21 +166,46 @@ class Frontend:
         wire = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
         # Encoded before the request is registered: if that fails, nothing is left behind.
         message = ipc.encoder.encode(ipc.AddRequest(rid, prompt_ids, wire, priority))
-        queue = OutputQueue(
-            asyncio.get_running_loop(),
-            threadsafe=False,
-            stream=stream,
-            interval=self.stream_interval,
-        )
+        if queue is None:
+            queue = OutputQueue(
+                asyncio.get_running_loop(),
+                threadsafe=False,
+                stream=stream,
+                interval=self.stream_interval,
+            )
         record = RequestRecord(rid, prompt_ids, params, queue, group or rid, stream=stream)
         if self.request_timeout_s is not None:
             record.deadline = record.created + self.request_timeout_s
+        if dp_rank is None:
+            dp_rank = self._sibling_rank(record)
         self.processor.add(record)  # ValueError if the id is in use
+        try:
+            cost = self.dispatcher.cost(len(prompt_ids), params.max_new_tokens)
+            rank = self.dispatcher.assign(rid, prompt_ids, cost, dp_rank)
+        except NoLiveRank as exc:
+            del self.processor.records[rid]
+            raise EngineUnavailable(str(exc)) from None
         self._groups.setdefault(record.group, set()).add(rid)
-        self.commands.send(message)
+        self.commands[rank].send(message)
         if self.log_requests:
-            logger.info("request %s: %d prompt tokens, %s", rid, len(prompt_ids), wire)
+            logger.info(
+                "request %s: %d prompt tokens, rank %d, %s", rid, len(prompt_ids), rank, wire
+            )
         return record
+
+    def _sibling_rank(self, record: RequestRecord) -> int | None:
+        """The rank of a pending choice of the same request with the same prompt (n > 1):
+        copies of a prompt share its prefix, so they go where it is cached. The copies
+        `expand_requests` makes share one prompt list, so identity finds them cheaply."""
+        if self.dp_size == 1:
+            return None
+        for rid in self._groups.get(record.group, ()):
+            other = self.pending.get(rid)
+            if other is not None and other.prompt_ids is record.prompt_ids:
+                rank = self.dispatcher.rank_of(rid)
+                if rank is not None and rank not in self.dead_ranks:
+                    return rank
+        return None
 
     async def outputs(self, record: RequestRecord) -> AsyncIterator[Output]:
         """A request's outputs until it finishes; aborts it if the consumer goes away."""
@@ -157,7 +234,7 @@ class Frontend:
         marks an abort the server decided (a timeout): the client gets it as an error."""
         if rid not in self.pending:
             return False
-        self._send(ipc.AbortRequest(rid, message))
+        self._send_for(rid, ipc.AbortRequest(rid, message))
         return self.processor.end(rid, FinishReason.abort(message, status_code))
 
     async def drain(self, timeout_s: float) -> None:
@@ -197,20 +274,59 @@ class Frontend:
                     record.stream_task.cancel()
 
     async def flush_cache(self) -> bool:
-        """Empties the scheduler's prefix cache; False while requests run. Raises
-        EngineUnavailable if the scheduler does not answer within FLUSH_TIMEOUT_S."""
+        """Empties every live rank's prefix cache; False if any refuses (requests run
+        there). Raises EngineUnavailable if a rank does not answer within FLUSH_TIMEOUT_S."""
+        results = await self._ask_all(ipc.FlushCache, "the cache flush")
+        for rank, ok in results.items():
+            if ok:
+                self.dispatcher.forget_prefixes(rank)
+        return all(results.values())
+
+    async def check_integrity(self) -> None:
+        """Runs every live rank's core integrity check (between its steps); RuntimeError
+        naming the rank and what is broken."""
+        results = await self._ask_all(ipc.CheckIntegrity, "the integrity check")
+        broken = [f"data-parallel rank {r}: {e}" for r, e in results.items() if e is not None]
+        if broken:
+            raise RuntimeError("; ".join(broken))
+
+    async def fetch_stats(self) -> dict[int, dict[str, Any]]:
+        """Every live rank's statistics as of now (not the last periodic ones)."""
+        results: dict[int, dict[str, Any]] = await self._ask_all(ipc.GetStats, "the statistics")
+        for rank, stats in results.items():
+            self.rank_stats[rank] = stats
+        return results
+
+    async def _ask_all(self, question: Callable[[int], ipc.Command], what: str) -> dict[int, Any]:
+        """Sends `question(token)` to every live rank and gathers their answers by rank."""
         token = next(self._tokens)
-        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._flushes[token] = done
-        self._send(ipc.FlushCache(token))
+        loop = asyncio.get_running_loop()
+        ranks = [r for r in range(self.dp_size) if r not in self.dead_ranks]
+        if not ranks:
+            raise EngineUnavailable("the engine is not healthy")
+        waits = []
+        for rank in ranks:
+            future: asyncio.Future[Any] = loop.create_future()
+            self._replies[(token, rank)] = future
+            waits.append(future)
+            self._send(rank, question(token))
         try:
-            return await asyncio.wait_for(done, timeout=FLUSH_TIMEOUT_S)
+            answers = await asyncio.wait_for(asyncio.gather(*waits), timeout=FLUSH_TIMEOUT_S)
         except TimeoutError:
+            late = [r for r, f in zip(ranks, waits, strict=True) if not f.done()]
+            who = "the scheduler" if self.dp_size == 1 else f"data-parallel rank(s) {late}"
             raise EngineUnavailable(
-                f"the scheduler did not answer the cache flush within {FLUSH_TIMEOUT_S:.0f} s"
+                f"{who} did not answer {what} within {FLUSH_TIMEOUT_S:.0f} s"
             ) from None
         finally:
-            self._flushes.pop(token, None)
+            for rank in ranks:
+                self._replies.pop((token, rank), None)
+        return dict(zip(ranks, answers, strict=True))
+
+    def _reply(self, token: int, rank: int, value: Any) -> None:
+        future = self._replies.pop((token, rank), None)
+        if future is not None and not future.done():
+            future.set_result(value)
 
     def abort_all(self, message: str) -> None:
         """Ends every pending request (shutdown or a dead scheduler): clients get a 503."""
@@ -222,18 +338,43 @@ class Frontend:
         rids = list(self._groups.get(group, ()))
         return sum(self.abort(rid) for rid in rids) > 0
 
-    def _on_stop(self, rid: str, matched: str) -> None:
-        self._send(ipc.FinishRequest(rid, matched))
+    def rank_died(self, rank: int, exit_code: int | None) -> int:
+        """A rank's process is gone: the requests it had end with a 503 naming it, questions
+        waiting for it fail, and it gets no more work. Returns how many requests failed."""
+        if rank in self.dead_ranks:
+            return 0
+        self.dead_ranks[rank] = exit_code
+        self.rank_stats[rank] = {}
+        message = f"data-parallel rank {rank} died (exit code {exit_code})"
+        if self.dp_size == 1:
+            message = f"the scheduler process died (exit code {exit_code})"
+        failed = 0
+        for rid in self.dispatcher.remove_rank(rank):
+            failed += self.processor.end(rid, FinishReason.abort(message, 503))
+        for (_, r), future in list(self._replies.items()):
+            if r == rank and not future.done():
+                future.set_exception(EngineUnavailable(message))
+        self.metrics.rank_died(rank, self.dp_size - len(self.dead_ranks))
+        return failed
 
-    def _send(self, command: ipc.Command) -> None:
+    def _on_stop(self, rid: str, matched: str) -> None:
+        self._send_for(rid, ipc.FinishRequest(rid, matched))
+
+    def _send_for(self, rid: str, command: ipc.Command) -> None:
+        """Sends a command about request `rid` to the rank serving it (if that rank lives)."""
+        rank = self.dispatcher.rank_of(rid)
+        if rank is not None and rank not in self.dead_ranks:
+            self._send(rank, command)
+
+    def _send(self, rank: int, command: ipc.Command) -> None:
         # PUSH to a connected peer below its high-water mark sends at once; not awaiting the
         # returned future keeps aborts possible from code that is being cancelled.
-        self.commands.send(ipc.encoder.encode(command))
+        self.commands[rank].send(ipc.encoder.encode(command))
 
     # ------------------------------------------------------------------ events
 
     async def run_events(self) -> None:
-        """Reads the scheduler's events forever."""
+        """Reads the schedulers' events forever."""
         while True:
             event = ipc.event_decoder.decode(await self.events.recv())
             if isinstance(event, ipc.StepOutputs):
@@ -243,13 +384,19 @@ class Frontend:
                 # responses that stream the outputs to clients.
                 await asyncio.sleep(0)
             elif isinstance(event, ipc.Stats):
-                self.stats = event.stats
-                self.metrics.observe_stats(event.stats)
-                self._maybe_log()
+                rank = event.dp_rank
+                if rank in self.dead_ranks:
+                    continue  # sent just before it died
+                self.rank_stats[rank] = event.stats
+                if event.token is not None:
+                    self._reply(event.token, rank, event.stats)
+                    continue
+                self.metrics.observe_stats(event.stats, rank)
+                self._maybe_log(rank)
             elif isinstance(event, ipc.FlushResult):
-                future = self._flushes.pop(event.token, None)
-                if future is not None and not future.done():
-                    future.set_result(event.ok)
+                self._reply(event.token, event.dp_rank, event.ok)
+            elif isinstance(event, ipc.IntegrityResult):
+                self._reply(event.token, event.dp_rank, event.error)
 
     # ------------------------------------------------------------------ observer
 
@@ -274,28 +421,43 @@ class Frontend:
             members.discard(record.rid)
             if not members:
                 del self._groups[record.group]
+        self.dispatcher.release(record.rid)
         aborted = meta["finish_reason"]["type"] == "abort"
         self.metrics.observe_finish(meta, aborted, streaming=record.stream)
         if self.log_requests:
             logger.info("finish %s: %s", record.rid, meta)
 
-    def _maybe_log(self) -> None:
+    def _maybe_log(self, rank: int) -> None:
         now = time.perf_counter()
-        if now - self._last_log < STATS_LOG_INTERVAL_S:
+        if now - self._last_log[rank] < STATS_LOG_INTERVAL_S:
             return
-        s = self.stats
+        s = self.rank_stats[rank]
         generated = int(s.get("generated_tokens", 0))
-        rate = (generated - self._last_generated) / (now - self._last_log)
-        self._last_log, self._last_generated = now, generated
+        rate = (generated - self._last_generated[rank]) / (now - self._last_log[rank])
+        self._last_log[rank], self._last_generated[rank] = now, generated
         capacity = max(1, int(s.get("capacity", 1)))
         used = 1 - (s.get("available", 0) + s.get("evictable", 0)) / capacity
         prompt = s.get("prompt_tokens", 0)
         hit = s.get("cached_tokens", 0) / prompt if prompt else 0.0
         logger.info(
-            "gen throughput %.1f tok/s, running %d, queued %d, KV usage %.1f%%, cache hit %.1f%%",
+            "%sgen throughput %.1f tok/s, running %d, queued %d, KV usage %.1f%%, cache hit %.1f%%",
+            f"[DP{rank}] " if self.dp_size > 1 else "",
             rate,
             s.get("running", 0),
             s.get("waiting", 0),
             100 * used,
             100 * hit,
         )
+
+
+def sum_stats(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Several ranks' statistics as one: counts summed, `new_token_ratio` averaged."""
+    if len(per_rank) == 1:
+        return dict(per_rank[0])
+    total: dict[str, Any] = {}
+    for stats in per_rank:
+        for key, value in stats.items():
+            total[key] = total.get(key, 0) + value
+    if per_rank and "new_token_ratio" in total:
+        total["new_token_ratio"] /= len(per_rank)
+    return total

@@ -1,8 +1,11 @@
-"""Messages between the frontend and the scheduler process (ZeroMQ + msgpack via msgspec).
+"""Messages between the frontend and the scheduler processes (ZeroMQ + msgpack via msgspec).
 
-The frontend PUSHes commands; the scheduler PUSHes one `StepOutputs` per step (the loop's
-`TokenUpdate`s: every request's new tokens and finishes of that step) plus `Ready` once and
-`Stats` periodically.
+The frontend PUSHes commands to each scheduler (one socket per data-parallel rank); every
+scheduler PUSHes to the frontend's one event socket: one `StepOutputs` per step (the loop's
+`TokenUpdate`s: every request's new tokens and finishes of that step; request ids are
+unique across ranks, so these need no rank), plus `Ready` once and `Stats` periodically.
+Events that answer for one rank carry its `dp_rank`; answers to a question carry its
+`token`.
 """
 
 from __future__ import annotations
@@ -36,6 +39,20 @@ class FinishRequest(msgspec.Struct, tag="finish"):
 
 
 class FlushCache(msgspec.Struct, tag="flush"):
+    """Empty the prefix cache; answered by `FlushResult`."""
+
+    token: int
+
+
+class CheckIntegrity(msgspec.Struct, tag="check"):
+    """Run the core's integrity check between steps; answered by `IntegrityResult`."""
+
+    token: int
+
+
+class GetStats(msgspec.Struct, tag="get_stats"):
+    """Send statistics now (not at the next period); answered by a `Stats` with the token."""
+
     token: int
 
 
@@ -43,13 +60,16 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-Command = AddRequest | AbortRequest | FinishRequest | FlushCache | Shutdown
+Command = (
+    AddRequest | AbortRequest | FinishRequest | FlushCache | CheckIntegrity | GetStats | Shutdown
+)
 
 
 class Ready(msgspec.Struct, tag="ready"):
     """The scheduler process is up; `info` describes the model and the pool."""
 
     info: dict[str, Any]
+    dp_rank: int = 0
 
 
 class StepOutputs(msgspec.Struct, tag="step"):
@@ -59,15 +79,29 @@ class StepOutputs(msgspec.Struct, tag="step"):
 
 
 class Stats(msgspec.Struct, tag="stats"):
+    """The core's statistics and the loop's counters; periodic (`token` None) or the
+    answer to `GetStats`."""
+
     stats: dict[str, Any]
+    dp_rank: int = 0
+    token: int | None = None
 
 
 class FlushResult(msgspec.Struct, tag="flushed"):
     token: int
     ok: bool
+    dp_rank: int = 0
 
 
-Event = Ready | StepOutputs | Stats | FlushResult
+class IntegrityResult(msgspec.Struct, tag="checked"):
+    """`error` is the failed check's message, None when the core is consistent."""
+
+    token: int
+    error: str | None
+    dp_rank: int = 0
+
+
+Event = Ready | StepOutputs | Stats | FlushResult | IntegrityResult
 
 encoder = msgspec.msgpack.Encoder(enc_hook=encode_hook)
 command_decoder = msgspec.msgpack.Decoder(Command)

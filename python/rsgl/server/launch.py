@@ -1,9 +1,12 @@
-"""`rsgl serve` / `python -m rsgl.launch_server`: start the scheduler process, then HTTP.
+"""`rsgl serve` / `python -m rsgl.launch_server`: start the scheduler processes, then HTTP.
 
-Start-up is ordered: the frontend binds its ZeroMQ sockets, spawns the scheduler process and
-waits for its `Ready` (model loaded, pool sized) before it accepts connections. SIGINT or
-SIGTERM aborts in-flight requests, then stops uvicorn and the scheduler. If the scheduler
-process dies, a watchdog logs it and takes the server down instead of leaving it hanging.
+Start-up is ordered: the frontend binds its ZeroMQ sockets, spawns one scheduler process per
+data-parallel rank (`--dp-size`, default 1) and waits for every `Ready` (model loaded, pool
+sized) before it accepts connections. SIGINT or SIGTERM aborts in-flight requests, then
+stops uvicorn and the schedulers. A watchdog watches every scheduler process: when one
+dies, it logs the rank and its exit code, that rank's requests fail and the others keep
+serving; when none is left, it takes the server down (exit code 1) instead of leaving it
+hanging.
 """
 
 from __future__ import annotations
@@ -12,32 +15,25 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import multiprocessing as mp
-import os
 import signal
 import socket
-import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import uvicorn
-import zmq
-import zmq.asyncio
 from fastapi import FastAPI
 
 from rsgl.args import EngineArgs, ServerArgs, add_cli_args, from_cli
 from rsgl.gc_tuning import freeze_startup_objects
-from rsgl.server import ipc
 from rsgl.server.app import ServerState, StateHolder, create_app
 from rsgl.server.frontend import Frontend
 from rsgl.server.metrics import ServerMetrics
+from rsgl.server.ranks import SchedulerRanks, check_data_parallel
 from rsgl.tokenizer.loader import load_tokenizer
 
 logger = logging.getLogger("rsgl.server")
 
-READY_TIMEOUT_S = 900.0
-WATCHDOG_INTERVAL_S = 0.5
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -65,7 +61,7 @@ class _Server(uvicorn.Server):
     frontend: Frontend | None = None
     loop: asyncio.AbstractEventLoop | None = None
     drain_timeout_s: float = 30.0
-    # Set when the scheduler process died: the server then exits non-zero.
+    # Set when every scheduler process died: the server then exits non-zero.
     scheduler_died = False
     _draining = False
 
@@ -88,8 +84,12 @@ class _Server(uvicorn.Server):
 
 
 def make_app(ns: argparse.Namespace, server: _Server | None = None) -> FastAPI:
-    """The app with a lifespan that owns the scheduler process."""
+    """The app with a lifespan that owns the scheduler processes."""
     args = engine_args(ns)
+    try:
+        check_data_parallel(args)
+    except ValueError as exc:
+        raise SystemExit(f"rsgl serve: {exc}") from None
     model_name = ns.served_model_name or (
         Path(ns.model_path).stem if ns.model_path else DEFAULT_MODEL_NAME
     )
@@ -97,123 +97,97 @@ def make_app(ns: argparse.Namespace, server: _Server | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        ipc_dir = tempfile.mkdtemp(prefix="rsgl-ipc-")
-        command_addr = f"ipc://{ipc_dir}/commands"
-        event_addr = f"ipc://{ipc_dir}/events"
-        ctx = zmq.asyncio.Context()
-        commands = ctx.socket(zmq.PUSH)
-        commands.bind(command_addr)
-        events = ctx.socket(zmq.PULL)
-        events.bind(event_addr)
-        proc = mp.get_context("spawn").Process(
-            target=_scheduler_main,
-            args=(args, command_addr, event_addr),
-            name="rsgl-scheduler",
-            daemon=True,
-        )
-        proc.start()
-        logger.info("scheduler process %d started; loading the model", proc.pid)
-        info = await _wait_ready(events, proc)
-        tokenizer = load_tokenizer(ns.tokenizer_path or info["model_dir"])
-        metrics = ServerMetrics(model_name, ns.enable_metrics_compat)
-        frontend = Frontend(
-            tokenizer,
-            info,
-            metrics,
-            commands,
-            events,
-            max_queued_requests=ns.max_queued_requests,
-            log_requests=ns.log_requests,
-            request_timeout_s=ns.request_timeout_s,
-            stream_stall_timeout_s=ns.stream_stall_timeout_s,
-            stream_interval=ns.stream_interval,
-        )
-        state = ServerState(
-            frontend=frontend,
-            tokenizer=tokenizer,
-            model_name=model_name,
-            limits=args.request_limits(
-                int(info["vocab_size"]), int(info["context_length"]), int(info["max_prompt_len"])
-            ),
-            args=server_args(ns),
-            api_key=ns.api_key,
-            is_alive=proc.is_alive,
-        )
-        holder.state = state
-        freeze_startup_objects()
-        if server is not None:
-            server.frontend = frontend
-            server.loop = asyncio.get_running_loop()
-            server.drain_timeout_s = ns.graceful_shutdown_timeout
-        events_task = asyncio.ensure_future(frontend.run_events())
-        timers_task = asyncio.ensure_future(frontend.run_timers())
-        watchdog = asyncio.ensure_future(_watchdog(proc, frontend, server))
-        logger.info("rsgl is ready on http://%s:%d (model %s)", ns.host, ns.port, model_name)
+        ranks = SchedulerRanks(args)
+        tasks: list[asyncio.Future[Any]] = []
+        frontend: Frontend | None = None
         try:
+            ranks.start()
+            infos = await ranks.wait_ready()
+            info = infos[0]
+            tokenizer = load_tokenizer(ns.tokenizer_path or info["model_dir"])
+            metrics = ServerMetrics(model_name, ns.enable_metrics_compat, args.dp_size)
+            frontend = Frontend(
+                tokenizer,
+                infos,
+                metrics,
+                ranks.commands,
+                ranks.events,
+                load_balance_method=args.load_balance_method,
+                max_queued_requests=ns.max_queued_requests,
+                log_requests=ns.log_requests,
+                request_timeout_s=ns.request_timeout_s,
+                stream_stall_timeout_s=ns.stream_stall_timeout_s,
+                stream_interval=ns.stream_interval,
+            )
+            state = ServerState(
+                frontend=frontend,
+                tokenizer=tokenizer,
+                model_name=model_name,
+                limits=args.request_limits(
+                    int(info["vocab_size"]),
+                    int(info["context_length"]),
+                    int(info["max_prompt_len"]),
+                ),
+                args=server_args(ns),
+                api_key=ns.api_key,
+                is_alive=ranks.is_alive,
+            )
+            holder.state = state
+            freeze_startup_objects()
+            if server is not None:
+                server.frontend = frontend
+                server.loop = asyncio.get_running_loop()
+                server.drain_timeout_s = ns.graceful_shutdown_timeout
+            tasks.append(asyncio.ensure_future(frontend.run_events()))
+            tasks.append(asyncio.ensure_future(frontend.run_timers()))
+            tasks.append(asyncio.ensure_future(ranks.watch(frontend, _all_dead(frontend, server))))
+            logger.info(
+                "rsgl is ready on http://%s:%d (model %s%s)",
+                ns.host,
+                ns.port,
+                model_name,
+                f", {args.dp_size} data-parallel ranks, {args.load_balance_method}"
+                if args.dp_size > 1
+                else "",
+            )
             yield
         finally:
-            frontend.abort_all("the server is shutting down")
-            watchdog.cancel()
-            timers_task.cancel()
-            if proc.is_alive():
-                await commands.send(ipc.encoder.encode(ipc.Shutdown()))
-                await asyncio.get_running_loop().run_in_executor(None, proc.join, 30)
-            if proc.is_alive():
-                proc.terminate()
-            events_task.cancel()
-            commands.close(linger=0)
-            events.close(linger=0)
-            ctx.term()
-            for name in ("commands", "events"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(ipc_dir, name))
-            with contextlib.suppress(OSError):
-                os.rmdir(ipc_dir)
+            if frontend is not None:
+                frontend.abort_all("the server is shutting down")
+            # The event reader stays up while the ranks stop, and goes before their sockets.
+            for task in tasks[1:]:
+                task.cancel()
+            await ranks.stop()
+            for task in tasks[:1]:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            ranks.close()
 
     return create_app(holder, lifespan, max_request_bytes=ns.max_request_bytes)
 
 
-def _scheduler_main(args: EngineArgs, command_addr: str, event_addr: str) -> None:
-    """The scheduler process's entry point. Its module (torch, the model) is imported here,
-    in the child: the frontend process never loads torch."""
-    from rsgl.server.scheduler_process import run_scheduler_process
+def _all_dead(frontend: Frontend, server: _Server | None) -> Callable[[], None]:
+    """What the watchdog does once no rank is left: fail what is pending, exit non-zero."""
 
-    run_scheduler_process(args, command_addr, event_addr)
+    def stop() -> None:
+        frontend.abort_all("the scheduler process died")
+        if server is not None:
+            server.scheduler_died = True
+            server.should_exit = True
 
-
-async def _wait_ready(events: zmq.asyncio.Socket, proc: Any) -> dict[str, Any]:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + READY_TIMEOUT_S
-    while loop.time() < deadline:
-        if not proc.is_alive():
-            raise RuntimeError(
-                f"the scheduler process exited with code {proc.exitcode} during start-up"
-            )
-        if await events.poll(500):
-            event = ipc.event_decoder.decode(await events.recv())
-            if isinstance(event, ipc.Ready):
-                return event.info
-    raise RuntimeError(f"the scheduler process was not ready after {READY_TIMEOUT_S:.0f} s")
-
-
-async def _watchdog(proc: Any, frontend: Frontend, server: _Server | None) -> None:
-    while proc.is_alive():
-        await asyncio.sleep(WATCHDOG_INTERVAL_S)
-    logger.error(
-        "rsgl: the scheduler process exited unexpectedly (exit code %s); shutting down",
-        proc.exitcode,
-    )
-    frontend.healthy = False
-    frontend.abort_all("the scheduler process died")
-    if server is not None:
-        server.scheduler_died = True
-        server.should_exit = True
+    return stop
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `rsgl serve`."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     ns = build_parser().parse_args(argv)
+    if ns.node_rank > 0:
+        # Another node of a multi-node tensor-parallel group: only its model ranks run here
+        # (no HTTP, no frontend, no core) until rank 0 stops them.
+        from rsgl.model_executor.tp_launch import run_node
+
+        return run_node(engine_args(ns))
     server = _Server(uvicorn.Config(FastAPI(), host=ns.host, port=ns.port))
     server.config = uvicorn.Config(
         make_app(ns, server),

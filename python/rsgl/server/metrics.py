@@ -4,6 +4,11 @@ rsgl's own series are `rsgl_*`, labelled by `model_name`. With `--enable-metrics
 sglang` the server also exports the series an SGLang dashboard reads, under SGLang 0.5's
 names and label sets (`sglang:num_running_reqs`, ..., with `engine_type`, the ranks and
 `is_streaming` where SGLang has them), fed by the same observations.
+
+With `--dp-size N > 1` the series fed by each scheduler's statistics (the load gauges, the
+retraction and step-failure counters) carry a `dp_rank` label, as SGLang's do when it runs
+data-parallel ranks; with one rank they carry none, as in SGLang. The request-level series
+are measured by the one frontend and stay unlabelled.
 """
 
 from __future__ import annotations
@@ -29,20 +34,23 @@ class _TokenSeries:
 
 
 class ServerMetrics:
-    """Request-level metrics measured by the frontend, and the scheduler's load gauges."""
+    """Request-level metrics measured by the frontend, and the schedulers' load gauges."""
 
-    def __init__(self, model_name: str, compat: str | None = None) -> None:
+    def __init__(self, model_name: str, compat: str | None = None, dp_size: int = 1) -> None:
         if compat is not None and compat not in METRICS_COMPAT:
             raise ValueError(f"unknown metrics compatibility {compat!r}: expected sglang")
         self.registry = CollectorRegistry()
         labels = ["model_name"]
+        # The series each scheduler feeds: one child per rank when there are several.
+        rank_labels = ["model_name", "dp_rank"] if dp_size > 1 else labels
+        self.dp_size = dp_size
         r = self.registry
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=r)
+            return Gauge(name, doc, rank_labels, registry=r)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labels, registry=r)
+        def counter(name: str, doc: str, per_rank: bool = False) -> Counter:
+            return Counter(name, doc, rank_labels if per_rank else labels, registry=r)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(name, doc, labels, buckets=buckets, registry=r)
@@ -60,9 +68,16 @@ class ServerMetrics:
         self.generation_tokens = counter("rsgl_generation_tokens", "Generated tokens")
         self.requests = counter("rsgl_requests", "Finished requests (any reason)")
         self.aborts = counter("rsgl_aborted_requests", "Aborted requests")
-        self.retractions = counter("rsgl_retractions", "Requests retracted under memory pressure")
+        self.retractions = counter(
+            "rsgl_retractions", "Requests retracted under memory pressure", per_rank=True
+        )
         self.step_failures = counter(
-            "rsgl_step_failures", "Steps whose execution raised (their requests were aborted)"
+            "rsgl_step_failures",
+            "Steps whose execution raised (their requests were aborted)",
+            per_rank=True,
+        )
+        self.ranks_alive = Gauge(
+            "rsgl_dp_ranks_alive", "Data-parallel ranks serving (of --dp-size)", labels, registry=r
         )
         self.ttft = histogram(
             "rsgl_time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS
@@ -75,9 +90,13 @@ class ServerMetrics:
             "rsgl_queue_time_seconds", "Time from arrival to first scheduling", LATENCY_BUCKETS
         )
         self.model = model_name
-        self._seen = {"retractions": 0, "step_failures": 0, "generated_tokens": 0}
-        self._stats_at: float | None = None
-        self.sglang = _SGLangSeries(r, model_name) if compat == "sglang" else None
+        self.ranks_alive.labels(model_name).set(dp_size)
+        # Per rank: the running totals last reported, and when.
+        self._seen = [
+            {"retractions": 0, "step_failures": 0, "generated_tokens": 0} for _ in range(dp_size)
+        ]
+        self._stats_at: list[float | None] = [None] * dp_size
+        self.sglang = _SGLangSeries(r, model_name, dp_size) if compat == "sglang" else None
         m = model_name
         self._tokens = {
             streaming: _TokenSeries(
@@ -106,9 +125,13 @@ class ServerMetrics:
         for c in series.generated:
             c.inc(count)
 
-    def observe_stats(self, stats: dict[str, Any]) -> None:
-        """Updates gauges from the scheduler's periodic stats."""
-        m = self.model
+    def _rank_labels(self, dp_rank: int) -> tuple[str, ...]:
+        return (self.model, str(dp_rank)) if self.dp_size > 1 else (self.model,)
+
+    def observe_stats(self, stats: dict[str, Any], dp_rank: int = 0) -> None:
+        """Updates gauges from one scheduler's periodic stats."""
+        labels = self._rank_labels(dp_rank)
+        seen = self._seen[dp_rank]
         now = time.perf_counter()
         capacity = max(1, int(stats["capacity"]))
         usage = 1 - (stats["available"] + stats["evictable"]) / capacity
@@ -116,9 +139,10 @@ class ServerMetrics:
         hit_rate = stats["cached_tokens"] / prompt if prompt else 0.0
         generated = int(stats.get("generated_tokens", 0))
         throughput = 0.0
-        if self._stats_at is not None and now > self._stats_at:
-            throughput = (generated - self._seen["generated_tokens"]) / (now - self._stats_at)
-        self._stats_at, self._seen["generated_tokens"] = now, generated
+        last = self._stats_at[dp_rank]
+        if last is not None and now > last:
+            throughput = (generated - seen["generated_tokens"]) / (now - last)
+        self._stats_at[dp_rank], seen["generated_tokens"] = now, generated
         gauges = {
             "running": stats["running"],
             "queued": stats["waiting"],
@@ -127,18 +151,30 @@ class ServerMetrics:
             "gen_throughput": throughput,
         }
         for name, value in gauges.items():
-            getattr(self, name).labels(m).set(value)
+            getattr(self, name).labels(*labels).set(value)
             if self.sglang is not None:
-                self.sglang.gauges[name].set(value)
+                self.sglang.gauge(name, dp_rank).set(value)
         # The scheduler reports running totals; the counters move by the difference.
         for key, counter in (
             ("retractions", self.retractions),
             ("step_failures", self.step_failures),
         ):
             total = int(stats.get(key, 0))
-            if total > self._seen[key]:
-                counter.labels(m).inc(total - self._seen[key])
-                self._seen[key] = total
+            if total > seen[key]:
+                counter.labels(*labels).inc(total - seen[key])
+                seen[key] = total
+
+    def rank_died(self, dp_rank: int, alive: int) -> None:
+        """A rank is gone: its load gauges leave (a dead rank has no load to report, and a
+        stale one would read as a busy rank), and the count of live ranks drops."""
+        self.ranks_alive.labels(self.model).set(alive)
+        if self.dp_size == 1:
+            return
+        labels = self._rank_labels(dp_rank)
+        for name in ("running", "queued", "kv_usage", "cache_hit_rate", "gen_throughput"):
+            getattr(self, name).remove(*labels)
+        if self.sglang is not None:
+            self.sglang.remove_rank(dp_rank)
 
     def observe_finish(self, meta: dict[str, Any], aborted: bool, *, streaming: bool) -> None:
         """Counts a finished request."""
@@ -162,11 +198,12 @@ class ServerMetrics:
 
 class _SGLangSeries:
     """SGLang 0.5's series (names, documentation and label sets of its metrics collectors)
-    for one unified engine: tensor, pipeline and expert rank 0."""
+    for one unified engine: tensor, pipeline and expert rank 0, and the data-parallel rank
+    when there are several."""
 
     ENGINE_TYPE = "unified"
 
-    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+    def __init__(self, registry: CollectorRegistry, model_name: str, dp_size: int = 1) -> None:
         r = registry
         sched = {
             "model_name": model_name,
@@ -175,11 +212,14 @@ class _SGLangSeries:
             "pp_rank": "0",
             "moe_ep_rank": "0",
         }
+        self._sched = sched
+        self.dp_size = dp_size
         front = {"model_name": model_name, "engine_type": self.ENGINE_TYPE}
         with_stream = [*front, "is_streaming"]
+        self._sched_names = [*sched, "dp_rank"] if dp_size > 1 else list(sched)
 
-        def gauge(name: str, doc: str) -> Any:
-            return Gauge(f"sglang:{name}", doc, list(sched), registry=r).labels(**sched)
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"sglang:{name}", doc, self._sched_names, registry=r)
 
         self.gauges = {
             "running": gauge("num_running_reqs", "The number of running requests."),
@@ -226,6 +266,22 @@ class _SGLangSeries:
             self._children[("ttft", streaming)] = ttft.labels(**labels)
             self._children[("e2e", streaming)] = e2e.labels(**labels)
             self._children[("itl", streaming)] = itl.labels(**front)
+        # Every rank's gauges exist (at 0) from the start, as SGLang's do.
+        for rank in range(dp_size):
+            for name in self.gauges:
+                self.gauge(name, rank)
 
     def child(self, series: str, streaming: bool) -> Any:
         return self._children[(series, streaming)]
+
+    def _labels(self, dp_rank: int) -> dict[str, str]:
+        return dict(self._sched, dp_rank=str(dp_rank)) if self.dp_size > 1 else self._sched
+
+    def gauge(self, name: str, dp_rank: int) -> Any:
+        """The child of gauge `name` for one rank."""
+        return self.gauges[name].labels(**self._labels(dp_rank))
+
+    def remove_rank(self, dp_rank: int) -> None:
+        labels = self._labels(dp_rank)
+        for g in self.gauges.values():
+            g.remove(*(labels[n] for n in self._sched_names))

@@ -244,6 +244,9 @@ class GenerateRequest(BaseModel):
     # Echo each choice's prompt token ids in its answer (`prompt_token_ids`).
     return_prompt_token_ids: bool = False
     priority: int | None = None
+    # SGLang's: serve every prompt of the request on this data-parallel rank (a router that
+    # balances the ranks itself, or a test, names it); None lets --load-balance-method pick.
+    data_parallel_rank: int | None = None
     log_metrics: bool = True
     no_logs: bool = False
     background: bool = False

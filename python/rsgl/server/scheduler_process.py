@@ -1,11 +1,13 @@
-"""The scheduler process: rsgl._core, the model and the loop, fed by the frontend over ZeroMQ.
+"""A scheduler process: rsgl._core, the model and the loop, fed by the frontend over ZeroMQ.
 
 It owns no HTTP and no text: requests arrive tokenized, and each step's `TokenUpdate`s go
-back as one message (the frontend detokenizes and reports stop strings back).
+back as one message (the frontend detokenizes and reports stop strings back). With
+`--dp-size N` the frontend runs N of these, one per data-parallel rank, each a full replica.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -24,6 +26,8 @@ from rsgl.server import ipc
 logger = logging.getLogger("rsgl.scheduler")
 
 STATS_INTERVAL_S = 1.0
+# How long a command poll waits: also how often the loop's health and the parent are checked.
+POLL_MS = 1000
 
 
 class _Outbox:
@@ -41,9 +45,14 @@ class _Outbox:
         self.socket.send(ipc.encoder.encode(event), copy=False)
 
 
-def run_scheduler_process(args: EngineArgs, command_addr: str, event_addr: str) -> None:
-    """Process entry point: serve commands until `Shutdown` (or the frontend goes away)."""
+def run_scheduler_process(
+    args: EngineArgs, command_addr: str, event_addr: str, dp_rank: int = 0
+) -> None:
+    """Process entry point: serve commands until `Shutdown`, or until the frontend process
+    is gone (this process is not a daemon, so that it may start tensor-parallel workers of
+    its own; without this check an orphan would keep its model in memory forever)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    parent = os.getppid()
     ctx = zmq.Context()
     events = ctx.socket(zmq.PUSH)
     events.connect(event_addr)
@@ -63,19 +72,23 @@ def run_scheduler_process(args: EngineArgs, command_addr: str, event_addr: str) 
         "model_dir": str(stack.model_dir),
         "eos_token_ids": list(stack.config.eos_token_ids),
         "scheduler_pid": os.getpid(),
+        "dp_rank": dp_rank,
+        "kv_cache_storage_dtype": stack.kv_cache_dtype,
+        "attention_backend": getattr(stack.runner, "attention_backend", None),
+        "cuda_graphs": getattr(stack.runner, "graphs", None) is not None,
         **stack.info(),
     }
     freeze_startup_objects()
-    outbox.send(ipc.Ready(info))
+    outbox.send(ipc.Ready(info, dp_rank))
     loop.start()
     stop = threading.Event()
 
-    def send_stats() -> None:
+    def send_stats(token: int | None = None) -> None:
         stats: dict[str, Any] = dict(stack.core.stats())
         stats["steps"] = loop.steps
         stats["step_failures"] = loop.step_failures
         stats["rss_bytes"] = _rss_bytes()
-        outbox.send(ipc.Stats(stats))
+        outbox.send(ipc.Stats(stats, dp_rank, token))
 
     def stats_timer() -> None:
         while not stop.wait(STATS_INTERVAL_S):
@@ -84,19 +97,32 @@ def run_scheduler_process(args: EngineArgs, command_addr: str, event_addr: str) 
     threading.Thread(target=stats_timer, name="rsgl-stats", daemon=True).start()
     try:
         while True:
-            if not commands.poll(1000):
+            if not commands.poll(POLL_MS):
                 if loop.error is not None:
                     raise RuntimeError("the scheduler loop failed") from loop.error
+                if os.getppid() != parent:
+                    logger.error("data-parallel rank %d: the frontend process is gone", dp_rank)
+                    break
                 continue
             command = ipc.command_decoder.decode(commands.recv())
             if isinstance(command, ipc.Shutdown):
                 break
-            _dispatch(command, loop, stack.core, outbox)
+            if isinstance(command, ipc.GetStats):
+                loop.post(functools.partial(send_stats, command.token))
+            else:
+                _dispatch(command, loop, stack.core, outbox, dp_rank)
             if loop.error is not None:
                 raise RuntimeError("the scheduler loop failed") from loop.error
     finally:
         stop.set()
         loop.shutdown()
+        # Frees the model; a tensor-parallel runner also stops its other ranks.
+        close = getattr(stack.runner, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception:
+                logger.exception("closing the model runner failed")
         events.close(linger=1000)
         commands.close(linger=0)
         ctx.term()
@@ -111,7 +137,9 @@ def _rss_bytes() -> int:
         return 0
 
 
-def _dispatch(command: ipc.Command, loop: SchedulerLoop, core: Any, outbox: _Outbox) -> None:
+def _dispatch(
+    command: ipc.Command, loop: SchedulerLoop, core: Any, outbox: _Outbox, dp_rank: int
+) -> None:
     if isinstance(command, ipc.AddRequest):
         params = SamplingParams(**command.params)
         loop.submit(command.rid, command.prompt_ids, params, priority=command.priority)
@@ -121,4 +149,16 @@ def _dispatch(command: ipc.Command, loop: SchedulerLoop, core: Any, outbox: _Out
         loop.finish(command.rid, command.matched)
     elif isinstance(command, ipc.FlushCache):
         token = command.token
-        loop.post(lambda: outbox.send(ipc.FlushResult(token, bool(core.flush_cache()))))
+        loop.post(lambda: outbox.send(ipc.FlushResult(token, bool(core.flush_cache()), dp_rank)))
+    elif isinstance(command, ipc.CheckIntegrity):
+        check_token = command.token
+
+        def check() -> None:
+            try:
+                core.check()
+            except Exception as exc:  # noqa: BLE001 - reported to the caller, not raised here
+                outbox.send(ipc.IntegrityResult(check_token, str(exc), dp_rank))
+            else:
+                outbox.send(ipc.IntegrityResult(check_token, None, dp_rank))
+
+        loop.post(check)

@@ -7,7 +7,7 @@ import uuid
 from typing import Annotated
 
 from fastapi import APIRouter, Depends
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from rsgl.sampling_params import SamplingParams
@@ -24,9 +24,30 @@ OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
 
 @router.get("/health")
 async def health(st: State) -> Response:
+    """200 while the server takes requests, 503 when it cannot (every scheduler gone, or
+    draining for shutdown).
+
+    A data-parallel server that lost some ranks is *degraded*: still 200, with a JSON body
+    naming the dead ranks. Its live ranks answer every request correctly, so a router
+    (sglang-router drops a worker whose /health fails) should keep sending it work rather
+    than lose that capacity too; an operator or orchestrator that wants the lost ranks back
+    reads the body, `rsgl_dp_ranks_alive`, or /server_info, and restarts the server.
+    """
     f = st.frontend
     ok = f.healthy and not f.draining and st.is_alive()
-    return Response(status_code=200 if ok else 503)
+    if not ok:
+        return Response(status_code=503)
+    if f.degraded:
+        body = {
+            "status": "degraded",
+            "dp_size": f.dp_size,
+            "dp_ranks_alive": f.dp_size - len(f.dead_ranks),
+            "dead_dp_ranks": [
+                {"dp_rank": rank, "exit_code": code} for rank, code in sorted(f.dead_ranks.items())
+            ],
+        }
+        return JSONResponse(body, status_code=200)
+    return Response(status_code=200)
 
 
 @router.get("/health_generate")

@@ -114,15 +114,17 @@ async def start(
     priority: int,
     *,
     stream: bool,
+    dp_rank: int | None = None,
 ) -> list[Choice]:
-    """Submits `n` copies of every validated (prompt, params) job."""
+    """Submits `n` copies of every validated (prompt, params) job (on data-parallel rank
+    `dp_rank` when it is named)."""
     check_int64(priority, "priority")
     expanded = expand_requests([ids for ids, _ in jobs], [(p, n) for _, p in jobs], rid)
     choices: list[Choice] = []
     try:
         for job in expanded:
             record = await st.frontend.submit(
-                job.rid, job.prompt_ids, job.params, priority, job.group, stream
+                job.rid, job.prompt_ids, job.params, priority, job.group, stream, dp_rank=dp_rank
             )
             choices.append(Choice(job.index, job.prompt_index, record))
     except EngineUnavailable as exc:

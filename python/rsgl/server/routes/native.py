@@ -83,7 +83,13 @@ async def generate(req: GenerateRequest, request: Request, st: State) -> Any:
     if len(copies) > 1:
         raise bad_request("n must be the same for every prompt of a batch", "sampling_params")
     n = copies.pop()
-    choices = await start(st, jobs, n, req.rid, req.priority or 0, stream=req.stream)
+    rank = req.data_parallel_rank
+    if rank is not None and not 0 <= rank < st.frontend.dp_size:
+        raise bad_request(
+            f"data_parallel_rank must be in [0, {st.frontend.dp_size}), got {rank}",
+            "data_parallel_rank",
+        )
+    choices = await start(st, jobs, n, req.rid, req.priority or 0, stream=req.stream, dp_rank=rank)
     text_of = _token_text(st) if req.return_text_in_logprobs else None
 
     def native(c: Choice, u: Output) -> dict[str, Any]:
@@ -228,8 +234,21 @@ async def flush_cache(st: State) -> JSONResponse:
 @router.get("/server_info")
 @router.get("/get_server_info")
 async def server_info(st: State) -> dict[str, Any]:
-    """SGLang's keys (what sglang-router and dashboards read), then rsgl's own."""
-    info, stats, args = st.frontend.info, st.frontend.stats, st.args
+    """SGLang's keys (what sglang-router and dashboards read), then rsgl's own.
+    `internal_states` has one entry per data-parallel rank (its latest statistics, its
+    process and whether it lives); `stats` sums the live ones."""
+    f = st.frontend
+    info, stats, args = f.info, f.stats, st.args
+    ranks = [
+        dict(
+            f.rank_stats[rank],
+            dp_rank=rank,
+            scheduler_pid=f.rank_infos[rank].get("scheduler_pid"),
+            alive=rank not in f.dead_ranks,
+            **({"exit_code": f.dead_ranks[rank]} if rank in f.dead_ranks else {}),
+        )
+        for rank in range(f.dp_size)
+    ]
     return dict(
         info,
         model_path=args.model_path or info["model_dir"],
@@ -241,7 +260,10 @@ async def server_info(st: State) -> dict[str, Any]:
         chunked_prefill_size=args.chunked_prefill_size,
         page_size=args.page_size,
         context_length=info["context_length"],
-        internal_states=[dict(stats, dp_rank=0)],
+        dp_size=f.dp_size,
+        load_balance_method=args.load_balance_method,
+        dp_ranks_alive=f.dp_size - len(f.dead_ranks),
+        internal_states=ranks,
         model_name=st.model_name,
         stats=stats,
     )
@@ -265,19 +287,25 @@ async def model_info(st: State) -> dict[str, Any]:
 
 @router.get("/get_load")
 async def get_load(st: State) -> list[dict[str, Any]]:
-    """Per data-parallel rank (one here): requests in the engine, waiting ones, KV tokens
-    in use; from the scheduler's last statistics (sent every second)."""
-    s = st.frontend.stats
-    used = int(s.get("capacity", 0)) - int(s.get("available", 0)) - int(s.get("evictable", 0))
-    running, waiting = int(s.get("running", 0)), int(s.get("waiting", 0))
-    return [
-        {
-            "dp_rank": 0,
-            "num_reqs": running + waiting,
-            "num_waiting_reqs": waiting,
-            "num_tokens": max(0, used),
-        }
-    ]
+    """One entry per live data-parallel rank, as SGLang answers: requests in the engine,
+    waiting ones, KV tokens in use; from each scheduler's last statistics (sent every
+    second). A dead rank is left out: it has no load, and a zero would read as room."""
+    f = st.frontend
+    loads = []
+    for rank, s in enumerate(f.rank_stats):
+        if rank in f.dead_ranks:
+            continue
+        used = int(s.get("capacity", 0)) - int(s.get("available", 0)) - int(s.get("evictable", 0))
+        running, waiting = int(s.get("running", 0)), int(s.get("waiting", 0))
+        loads.append(
+            {
+                "dp_rank": rank,
+                "num_reqs": running + waiting,
+                "num_waiting_reqs": waiting,
+                "num_tokens": max(0, used),
+            }
+        )
+    return loads
 
 
 @router.get("/version")

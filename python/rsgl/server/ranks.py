@@ -1,0 +1,219 @@
+"""The scheduler processes behind one frontend: one per data-parallel rank.
+
+`SchedulerRanks` binds the frontend's ZeroMQ sockets (a PUSH command socket per rank, one
+PULL event socket every rank sends to), spawns the processes, waits for each one's `Ready`,
+watches them while they serve, and stops them. The server's lifespan and
+`rsgl.Engine(dp_size > 1)` both use it, so both start, watch and stop ranks the same way.
+Nothing here imports torch: the processes load it themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import tempfile
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from rsgl.args import EngineArgs
+from rsgl.cpu_features import default_cpu_threads
+from rsgl.server import ipc
+from rsgl.server.frontend import Frontend
+
+logger = logging.getLogger("rsgl.server")
+
+READY_TIMEOUT_S = 900.0
+WATCHDOG_INTERVAL_S = 0.5
+SHUTDOWN_TIMEOUT_S = 30.0
+
+
+def rank_args(args: EngineArgs, dp_rank: int) -> EngineArgs:
+    """One data-parallel rank's options.
+
+    Without `--cpu-threads`, the ranks split the cores, and each rank's tensor-parallel
+    ranks split its share: every process would otherwise take them all, and N processes on
+    the same cores spend their time contending. On CUDA each rank gets its own devices, as
+    SGLang places them: rank r's first device is `base + r * tp_size` (`--device cuda:base`,
+    0 for plain `cuda`). The KV pool is sized by each rank as if it were alone: on CPU, where
+    the ranks share the machine's memory, give each its size with --max-total-tokens.
+    """
+    if args.dp_size == 1:
+        return args
+    changes: dict[str, Any] = {}
+    if args.cpu_threads is None:
+        changes["cpu_threads"] = max(1, default_cpu_threads() // (args.dp_size * args.tp_size))
+    kind, _, index = args.device.partition(":")
+    if kind == "cuda":
+        changes["device"] = f"cuda:{int(index or 0) + dp_rank * args.tp_size}"
+    return dataclasses.replace(args, **changes)
+
+
+def check_data_parallel(args: EngineArgs) -> None:
+    """ValueError for the data-parallel setups rsgl does not run."""
+    if args.dp_size > 1 and args.nnodes > 1:
+        raise ValueError(
+            "dp_size > 1 with nnodes > 1 is not supported: nodes spread the tensor-parallel "
+            "ranks of one replica; for replicas on several machines run one server per "
+            "machine behind sglang-router (see the README)"
+        )
+
+
+class SchedulerRanks:
+    """`args.dp_size` scheduler processes and the frontend's sockets to them."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        check_data_parallel(args)
+        self.args = args
+        self.dp_size = args.dp_size
+        self.ipc_dir = tempfile.mkdtemp(prefix="rsgl-ipc-")
+        self.ctx = zmq.asyncio.Context()
+        event_addr = f"ipc://{self.ipc_dir}/events"
+        self.events = self.ctx.socket(zmq.PULL)
+        self.events.bind(event_addr)
+        self.commands: list[zmq.asyncio.Socket] = []
+        self.procs: list[BaseProcess] = []
+        spawn = mp.get_context("spawn")
+        for rank in range(self.dp_size):
+            command_addr = f"ipc://{self.ipc_dir}/commands-{rank}"
+            socket = self.ctx.socket(zmq.PUSH)
+            socket.bind(command_addr)
+            self.commands.append(socket)
+            # Not a daemon: a rank may start tensor-parallel workers of its own, which a
+            # daemon may not. It exits when this process goes away (it watches its parent),
+            # and `stop` (or, at the latest, interpreter exit) ends it here.
+            self.procs.append(
+                spawn.Process(
+                    target=_scheduler_main,
+                    args=(rank_args(args, rank), command_addr, event_addr, rank),
+                    name=f"rsgl-scheduler-{rank}" if self.dp_size > 1 else "rsgl-scheduler",
+                )
+            )
+        self._reported: set[int] = set()
+        self._stopped = False
+        atexit.register(self._kill_leftovers)
+
+    def start(self) -> None:
+        for rank, proc in enumerate(self.procs):
+            proc.start()
+            who = f"data-parallel rank {rank}: " if self.dp_size > 1 else ""
+            logger.info("%sscheduler process %d started; loading the model", who, proc.pid)
+
+    def is_alive(self) -> bool:
+        """Whether any rank still runs."""
+        return any(p.is_alive() for p in self.procs)
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [p.pid for p in self.procs]
+
+    async def wait_ready(self) -> list[dict[str, Any]]:
+        """Every rank's `Ready` info, by rank; RuntimeError naming the rank that died or
+        the ranks that were not ready in time."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + READY_TIMEOUT_S
+        infos: dict[int, dict[str, Any]] = {}
+        while loop.time() < deadline:
+            for rank, proc in enumerate(self.procs):
+                if not proc.is_alive():
+                    who = f"data-parallel rank {rank}" if self.dp_size > 1 else "the scheduler"
+                    raise RuntimeError(
+                        f"{who} process exited with code {proc.exitcode} during start-up"
+                    )
+            if await self.events.poll(500):
+                event = ipc.event_decoder.decode(await self.events.recv())
+                if isinstance(event, ipc.Ready):
+                    infos[event.dp_rank] = event.info
+                    if len(infos) == self.dp_size:
+                        return [infos[r] for r in range(self.dp_size)]
+        missing = sorted(set(range(self.dp_size)) - set(infos))
+        raise RuntimeError(
+            f"scheduler process(es) of rank(s) {missing} not ready after {READY_TIMEOUT_S:.0f} s"
+        )
+
+    async def watch(self, frontend: Frontend, on_all_dead: Callable[[], None]) -> None:
+        """Reports each rank that dies to the frontend (its requests fail, the others keep
+        serving); once none is left, calls `on_all_dead` and returns."""
+        while True:
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+            for rank, proc in enumerate(self.procs):
+                if rank in self._reported or proc.is_alive():
+                    continue
+                self._reported.add(rank)
+                failed = frontend.rank_died(rank, proc.exitcode)
+                left = self.dp_size - len(self._reported)
+                where = "" if self.dp_size == 1 else f": data-parallel rank {rank} (pid {proc.pid})"
+                logger.error(
+                    "rsgl: the scheduler process exited unexpectedly (exit code %s)%s; "
+                    "%d request(s) on it failed; %d of %d rank(s) left%s",
+                    proc.exitcode,
+                    where,
+                    failed,
+                    left,
+                    self.dp_size,
+                    "; shutting down" if left == 0 else "",
+                )
+            if len(self._reported) == self.dp_size:
+                on_all_dead()
+                return
+
+    async def stop(self) -> None:
+        """Asks every live rank to shut down and waits for them (terminating stragglers)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for socket, proc in zip(self.commands, self.procs, strict=True):
+            if proc.is_alive():
+                await socket.send(ipc.encoder.encode(ipc.Shutdown()))
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(
+            *(
+                loop.run_in_executor(None, p.join, SHUTDOWN_TIMEOUT_S)
+                for p in self.procs
+                if p.pid is not None
+            )
+        )
+        self._kill_leftovers()
+        atexit.unregister(self._kill_leftovers)
+
+    def close(self) -> None:
+        """Releases the sockets and the socket directory (after `stop`, once nothing reads
+        the event socket any more)."""
+        for socket in self.commands:
+            socket.close(linger=0)
+        self.events.close(linger=0)
+        self.ctx.term()
+        for name in ("events", *(f"commands-{r}" for r in range(self.dp_size))):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self.ipc_dir, name))
+        with contextlib.suppress(OSError):
+            os.rmdir(self.ipc_dir)
+
+    def _kill_leftovers(self) -> None:
+        """Terminates (then kills) the ranks still running; reaps them all."""
+        for proc in self.procs:
+            if proc.pid is not None and proc.is_alive():
+                proc.terminate()
+        for proc in self.procs:
+            if proc.pid is None:
+                continue
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+
+
+def _scheduler_main(args: EngineArgs, command_addr: str, event_addr: str, dp_rank: int) -> None:
+    """A scheduler process's entry point. Its module (torch, the model) is imported here,
+    in the child: the frontend process never loads torch."""
+    from rsgl.server.scheduler_process import run_scheduler_process
+
+    run_scheduler_process(args, command_addr, event_addr, dp_rank)

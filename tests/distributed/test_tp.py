@@ -1,0 +1,213 @@
+"""Tensor parallelism on the embedded SmolLM2 (CPU, gloo): TP=2 against TP=1.
+
+SmolLM2 has 9 query heads over 3 KV heads, so at tp_size 2 the ranks hold 2 and 1 KV heads
+(6 and 3 query heads). Every engine here shares the options below: float32, radix cache on,
+chunked prefill of 64 tokens (one prompt is longer), one thread per rank. Each TP engine
+starts a follower process that loads the model, so an engine is shared by the tests of this
+module (TP=2 with overlap; TP=2 without, which the last test breaks on purpose).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import rsgl
+from rsgl.model_executor.model_runner import ModelRunner
+from rsgl.sampling_params import SamplingParams
+
+OPTIONS: dict[str, Any] = {
+    "dtype": "float32",
+    "max_total_tokens": 8192,
+    "max_running_requests": 16,
+    "chunked_prefill_size": 64,
+    "cpu_threads": 1,
+}
+GREEDY = {"temperature": 0.0, "max_new_tokens": 32, "ignore_eos": True}
+SYSTEM = (
+    "You are a careful assistant. Answer briefly and precisely, and say when you do not "
+    "know. Prefer plain words to jargon and short sentences to long ones. "
+)
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    SYSTEM + "What is the boiling point of water at sea level?",
+    SYSTEM + "Name three primary colors.",
+    "Once upon a time, in a small village by the sea,",
+    "1, 2, 3, 5, 8, 13,",
+    "Translate to French: good morning, my friend.",
+    # Over 100 tokens: prefilled in chunks of 64.
+    "Summarize: " + " ".join(f"Item {i} costs {3 * i + 1} dollars." for i in range(20)),
+]
+# A near-tie may legitimately flip between TP=1 and TP=2 (float32 sums in another order);
+# anything wider is a bug.
+NEAR_TIE = 1e-4
+# Seeded sampling with a penalty: each rank samples from its own copy of the logits and of
+# the per-slot state, so a rank that drifted would feed its shard a different token and the
+# text would change. (A flip needs two tokens' sampling scores within ~1e-6 of each other;
+# the computation is deterministic, so such a test would fail every run, not now and then.)
+SAMPLED = [
+    {
+        "temperature": 0.8,
+        "top_p": 0.95,
+        "repetition_penalty": 1.1,
+        "seed": 100 + i,
+        "max_new_tokens": 16,
+        "ignore_eos": True,
+    }
+    for i in range(4)
+]
+
+
+def child_pids() -> set[int]:
+    """This process's live children (Linux /proc)."""
+    pids: set[int] = set()
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as f:
+            pids.update(int(p) for p in f.read().split())
+    return pids
+
+
+def alive(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}")
+
+
+def step_logits(engine: rsgl.Engine, prompt_ids: list[int]) -> torch.Tensor:
+    """The logits of one prefill step and of the decode step after it ([2, vocab]), run
+    through the engine's own core and runner before its loop starts (the loop owns them
+    once it runs)."""
+    core, runner = engine.core, engine.runner
+    assert isinstance(runner, ModelRunner)
+    core.add_request(10**9, np.asarray(prompt_ids, dtype=np.int64), 2)
+    rows = []
+    for _ in range(2):
+        plan = core.schedule()
+        if len(plan.admitted):
+            runner.admit(int(plan.req_slots[0]), SamplingParams(temperature=0.0), prompt_ids)
+        out = runner.step(plan, return_logits=True)
+        core.commit(plan.id, out.next_token_ids.numpy())
+        assert out.logits is not None
+        rows.append(out.logits[0])
+    return torch.stack(rows)
+
+
+def generate_twice(engine: rsgl.Engine, **extra: Any) -> list[list[dict[str, Any]]]:
+    """The prompts, then again (the second round reads the radix cache)."""
+    params = dict(GREEDY, **extra)
+    return [engine.generate(PROMPTS, params) for _ in range(2)]
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, Any]:
+    """TP=1: the step logits and both rounds' outputs, with top-2 logprobs for near-ties."""
+    with rsgl.Engine(**OPTIONS) as engine:
+        ids = engine.tokenizer.encode(PROMPTS[0])
+        logits = step_logits(engine, ids)
+        rounds = generate_twice(engine, return_logprob=True, top_logprobs_num=2)
+        sampled = engine.generate(PROMPTS[: len(SAMPLED)], SAMPLED)
+    return {"prompt_ids": ids, "logits": logits, "rounds": rounds, "sampled": sampled}
+
+
+def start_tp2(reference: dict[str, Any], **options: Any) -> tuple[rsgl.Engine, torch.Tensor]:
+    engine = rsgl.Engine(tp_size=2, **OPTIONS, **options)
+    return engine, step_logits(engine, reference["prompt_ids"])
+
+
+@pytest.fixture(scope="module")
+def tp2(reference: dict[str, Any]) -> Iterator[tuple[rsgl.Engine, torch.Tensor]]:
+    engine, logits = start_tp2(reference)
+    yield engine, logits
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tp2_no_overlap(reference: dict[str, Any]) -> Iterator[tuple[rsgl.Engine, torch.Tensor]]:
+    engine, logits = start_tp2(reference, disable_overlap_schedule=True)
+    yield engine, logits
+    engine.shutdown()
+
+
+def assert_same_tokens_or_near_tie(ref: dict[str, Any], out: dict[str, Any]) -> None:
+    a, b = ref["output_ids"], out["output_ids"]
+    if a == b:
+        return
+    i = next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+    top = ref["meta_info"]["output_token_logprobs"][i]["top_logprobs"]
+    gap = top[0]["logprob"] - top[1]["logprob"]  # = the top-2 logits' gap
+    assert gap < NEAR_TIE, f"TP=2 diverged at token {i} ({a[i]} vs {b[i]}); TP=1 gap {gap}"
+
+
+def test_a_split_tp2_cannot_make_is_refused_before_any_process_starts() -> None:
+    before = child_pids()
+    with pytest.raises(ValueError, match=r"9 query heads over 3 KV heads"):
+        rsgl.Engine(tp_size=4, **OPTIONS)
+    assert child_pids() == before
+
+
+def test_one_prefill_and_decode_step_gives_tp1_logits(
+    reference: dict[str, Any], tp2: tuple[rsgl.Engine, torch.Tensor]
+) -> None:
+    ref, got = reference["logits"], tp2[1]
+    diff = (got - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    print(f"TP=2 vs TP=1 logits: max abs diff {diff:.3g} (logits up to {scale:.3g})")
+    # float32 sums the row-parallel halves in another order: ~1e-7 relative per layer.
+    assert diff <= 1e-5 * scale
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("engine_name", ["tp2", "tp2_no_overlap"])
+def test_greedy_tokens_match_tp1_with_radix_and_chunked_prefill(
+    reference: dict[str, Any], engine_name: str, request: pytest.FixtureRequest
+) -> None:
+    engine, _ = request.getfixturevalue(engine_name)
+    rounds = generate_twice(engine)
+    for ref_round, got_round in zip(reference["rounds"], rounds, strict=True):
+        for ref, out in zip(ref_round, got_round, strict=True):
+            assert len(out["output_ids"]) == GREEDY["max_new_tokens"]
+            assert_same_tokens_or_near_tie(ref, out)
+    assert sum(o["meta_info"]["cached_tokens"] for o in rounds[1]) > 0
+    sampled = engine.generate(PROMPTS[: len(SAMPLED)], SAMPLED)
+    assert [o["output_ids"] for o in sampled] == [o["output_ids"] for o in reference["sampled"]]
+    engine.check_integrity()
+
+
+def test_server_info_reports_each_ranks_slice(tp2: tuple[rsgl.Engine, torch.Tensor]) -> None:
+    info = tp2[0].get_server_info()
+    assert info["tp_size"] == 2
+    assert [(s["q_heads"], s["kv_heads"]) for s in info["tp_shards"]] == [
+        ([0, 6], [0, 2]),
+        ([6, 9], [2, 3]),
+    ]
+
+
+def test_shutdown_stops_the_followers(tp2: tuple[rsgl.Engine, torch.Tensor]) -> None:
+    engine = tp2[0]
+    pids = list(engine.runner.followers.pids.values())  # type: ignore[union-attr]
+    assert pids and all(alive(p) for p in pids)
+    engine.shutdown()
+    assert not any(alive(p) for p in pids)  # exited and reaped: no orphan, no zombie
+
+
+def test_a_killed_follower_fails_requests_naming_its_rank_instead_of_hanging(
+    tp2_no_overlap: tuple[rsgl.Engine, torch.Tensor],
+) -> None:
+    engine = tp2_no_overlap[0]
+    (pid,) = engine.runner.followers.pids.values()  # type: ignore[union-attr]
+    os.kill(pid, signal.SIGKILL)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        out = pool.submit(engine.generate, "Hello", GREEDY).result(timeout=60)
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "rank 1" in reason["message"], reason
+    start = time.monotonic()
+    engine.shutdown()
+    assert time.monotonic() - start < 30
+    assert not alive(pid)
