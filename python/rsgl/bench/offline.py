@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from rsgl.args import KV_CACHE_DTYPES
+from rsgl.model_executor.executor import run_on_compute_thread
 
 
 def make_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
@@ -177,10 +178,10 @@ def main(argv: list[str]) -> int:
         "output_len": args.output_len,
         "kv_cache_dtype": args.kv_cache_dtype,
         "device": args.device,
-        "torch_threads": torch.get_num_threads(),
         "tp_size": args.tp_size,
     }
     rsgl_run = run_rsgl(prompts, args.output_len, args.profile_collectives, **engine)
+    result["torch_threads"] = run_on_compute_thread(torch.get_num_threads)
     result["rsgl_output_tok_s"] = rsgl_run["output_tok_s"]
     result["rsgl"] = rsgl_run
     if not args.skip_no_overlap:
@@ -204,7 +205,13 @@ def main(argv: list[str]) -> int:
     if args.compare_hf:
         sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
         by_dtype = {
-            name: run_hf(prompts, args.output_len, model_dir, sizes, getattr(torch, name))
+            # On the compute thread, as rsgl's forward: one OpenMP team in the process (see
+            # run_on_compute_thread), so neither run pays for the other's idle threads.
+            name: run_on_compute_thread(
+                lambda name=name: run_hf(  # type: ignore[misc]
+                    prompts, args.output_len, model_dir, sizes, getattr(torch, name)
+                )
+            )
             for name in args.hf_dtypes.split(",")
         }
         result["hf_output_tok_s_by_dtype_and_batch"] = by_dtype
