@@ -16,7 +16,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from rsgl.distributed.group import TPGroup
 from rsgl.distributed.sharding import balanced_range
-from rsgl.layers.parallel import RowParallelLinear, VocabParallelEmbedding
+from rsgl.layers.parallel import RowParallelLinear, VocabParallelEmbedding, sharded_argmax
 
 VOCAB, HIDDEN, IN_FEATURES = 11, 8, 10
 
@@ -31,7 +31,7 @@ def _rank_main(rank: int, port: int, results: Any) -> None:
     weight, bias, x = torch.randn(4, IN_FEATURES), torch.randn(4), torch.randn(3, IN_FEATURES)
     ids = torch.tensor([0, 5, 6, 10, 3, 6])
     rows, cols = balanced_range(VOCAB, 2, rank), balanced_range(IN_FEATURES, 2, rank)
-    out: dict[str, float] = {}
+    out: dict[str, Any] = {}
     with torch.no_grad():
         embedding = VocabParallelEmbedding(rows, HIDDEN, group)
         embedding.weight.copy_(table[rows.start : rows.stop])
@@ -52,6 +52,20 @@ def _rank_main(rank: int, port: int, results: Any) -> None:
         sizes = tuple(len(balanced_range(VOCAB, 2, r)) for r in range(2))
         gathered = group.all_gather(logits[:, rows.start : rows.stop], sizes)
         out["all_gather"] = (gathered - logits).abs().max().item()
+
+        # Rows whose maximum sits on rank 0, on rank 1, on both (a tie: the first
+        # occurrence, on rank 0), twice within rank 1, a NaN on rank 1 beating a larger
+        # value on rank 0, and -inf everywhere.
+        scores = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(1))
+        scores[0, 2] = scores[1, 9] = 50.0
+        scores[2, 4] = scores[2, 7] = 50.0
+        scores[3, 7] = scores[3, 10] = 50.0
+        scores[4, 1], scores[4, 8] = 1e30, float("nan")
+        scores[5] = float("-inf")
+        local = scores[:, rows.start : rows.stop].contiguous()
+        got = sharded_argmax(local, rows.start, group)
+        out["sharded_argmax"] = got.tolist()
+        out["argmax"] = scores.argmax(dim=1).tolist()
     results.put((rank, out))
     group.close()
 
@@ -79,3 +93,4 @@ def test_parallel_layers_over_two_ranks_equal_the_whole_computation() -> None:
         assert diffs["all_gather"] == 0.0, diffs
         assert diffs["row_parallel"] < 1e-5, diffs
         assert diffs["row_parallel_packed"] < 1e-5, diffs
+        assert diffs["sharded_argmax"] == diffs["argmax"] == [2, 9, 4, 7, 8, 0], diffs

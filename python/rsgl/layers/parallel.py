@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rsgl.layers.linear import PackedLinear, can_pack
+from rsgl.layers.sampler import argmax_rows
 
 if TYPE_CHECKING:
     from rsgl.distributed.group import TPGroup
@@ -80,3 +81,19 @@ class VocabParallelEmbedding(nn.Module):
 
 
 __all__ = ["RowParallelLinear", "VocabParallelEmbedding"]
+
+
+def sharded_argmax(local_logits: torch.Tensor, vocab_start: int, group: TPGroup) -> torch.Tensor:
+    """The argmax over the whole vocabulary of logits split by vocabulary across the ranks
+    (this rank holds `local_logits` [B, n] for ids vocab_start ..): each rank's best
+    (value, id) pair is all-gathered ([B, 2] per rank instead of its [B, n] logits) and the
+    best pair wins. It is `argmax` of the gathered logits exactly: ranks hold ascending id
+    ranges and each local argmax is the first of its maxima, so the first rank holding the
+    global maximum has its first occurrence; a NaN is the largest, as in torch. Every rank
+    gets the same ids. float64 carries the values and the ids exactly."""
+    ids = argmax_rows(local_logits)
+    best = local_logits.gather(1, ids.unsqueeze(1)).squeeze(1).double()
+    pair = torch.stack([best, (ids + vocab_start).double()], dim=1)
+    pairs = group.all_gather(pair, (2,) * group.size).view(-1, group.size, 2)
+    winner = pairs[:, :, 0].argmax(dim=1, keepdim=True)
+    return pairs[:, :, 1].gather(1, winner).squeeze(1).long()

@@ -306,7 +306,7 @@ class Sampler:
         below_min = state.output_len[req_slots_host] < state.min_new_tokens[req_slots_host]
         # Plain greedy rows take the argmax of the logits as they come (widening bfloat16
         # is exact, so it is the float32 argmax); everything else works in float32.
-        if not (greedy.all() and _plain(state, req_slots_host) and not below_min.any()):
+        if not plain_greedy(state, req_slots_host):
             logits = logits.float()
         if state.penalized[req_slots_host].any():
             logits = apply_penalties(logits, state, req_slots)
@@ -373,12 +373,16 @@ class Sampler:
         return (probs / noise).argmax(dim=-1)
 
 
-def _plain(state: SlotSamplingState, req_slots_host: np.ndarray) -> bool:
-    """No request of the batch has penalties, a logit bias or asks for logprobs."""
-    return not (
-        state.penalized[req_slots_host].any()
-        or state.has_bias[req_slots_host].any()
-        or state.return_logprob[req_slots_host].any()
+def plain_greedy(state: SlotSamplingState, req_slots_host: np.ndarray) -> bool:
+    """Every request of the batch takes the argmax of its raw logits: greedy, with no
+    penalties, logit bias, logprobs or stop ids masked below min_new_tokens."""
+    rows = req_slots_host
+    return bool(
+        state.greedy[rows].all()
+        and not state.penalized[rows].any()
+        and not state.has_bias[rows].any()
+        and not state.return_logprob[rows].any()
+        and not (state.output_len[rows] < state.min_new_tokens[rows]).any()
     )
 
 

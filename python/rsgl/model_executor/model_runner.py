@@ -17,7 +17,8 @@ from rsgl.layers.attention import (
     create_attention_backend,
 )
 from rsgl.layers.host_copy import to_device
-from rsgl.layers.sampler import SampleOutput, Sampler, SlotSamplingState
+from rsgl.layers.parallel import sharded_argmax
+from rsgl.layers.sampler import SampleOutput, Sampler, SlotSamplingState, plain_greedy
 from rsgl.model_executor.cuda_graph_runner import (
     CudaGraphRunner,
     TorchCudaGraph,
@@ -303,6 +304,15 @@ class ModelRunner:
             return _empty_output(self.device)
         input_ids = self.future_map.resolve(batch.input_ids, batch.token_req_slots())
         self.attn.prepare(batch)
+        tp = self.loaded.tp
+        greedy = tp is not None and plain_greedy(self.sampling, batch.req_slots_host)
+        if tp is not None and greedy and not return_logits:
+            # Greedy under tensor parallelism: the ranks exchange their best (value, id)
+            # per row instead of all-gathering the logits (SmolLM2 at batch 64 over gloo:
+            # a [64, 2] gather instead of 2 x [64, 24576] floats, ~15 ms).
+            local = self.model(input_ids, batch, self.attn, gather_logits=False)
+            ids = sharded_argmax(local, tp.shard.vocab.start, tp.group)
+            return self._record(batch, SampleOutput(ids), batch.batch_size, None)
         logits = self.model(input_ids, batch, self.attn)
         return self._sample(batch, logits, batch.batch_size, return_logits)
 
@@ -314,9 +324,20 @@ class ModelRunner:
         slots_host = batch.req_slots_host[:n]
         lens_host = batch.seq_lens_host[:n]
         sample = self.sampler(logits, self.sampling, req_slots, seq_lens, slots_host, lens_host)
-        self.future_map.store(req_slots, sample.next_token_ids)
-        self.sampling.record(req_slots, seq_lens, sample.next_token_ids, slots_host, lens_host)
-        return StepOutput(sample, logits if return_logits else None)
+        return self._record(batch, sample, n, logits if return_logits else None)
+
+    def _record(
+        self, batch: ForwardBatch, sample: SampleOutput, n: int, logits: torch.Tensor | None
+    ) -> StepOutput:
+        """The sampled tokens of the first `n` rows go to the FutureMap (placeholders of
+        the next step) and the per-slot sampling state."""
+        req_slots, seq_lens = batch.req_slots[:n], batch.seq_lens[:n]
+        tokens = sample.next_token_ids
+        self.future_map.store(req_slots, tokens)
+        self.sampling.record(
+            req_slots, seq_lens, tokens, batch.req_slots_host[:n], batch.seq_lens_host[:n]
+        )
+        return StepOutput(sample, logits)
 
 
 def _empty_output(device: torch.device) -> StepOutput:

@@ -68,7 +68,9 @@ class StepMessage(msgspec.Struct, tag="step", array_like=True):
     `ints` holds, in order, the per-request arrays (rids, req_slots, prefix_lens,
     extend_lens, seq_lens: `batch_size` each), the per-token arrays (input_ids, positions,
     out_cache_loc: `num_tokens` each) and the req_to_token writes (rows, cols, slots:
-    `num_writes` each); `sample` is the per-request bool array.
+    `num_writes` each); `sample` is the per-request bool array. `return_logits` is part of
+    the step: with it every rank gathers the whole logits, without it a greedy batch
+    gathers only each rank's best (value, id), and the ranks' collectives must match.
     """
 
     plan_id: int
@@ -80,6 +82,7 @@ class StepMessage(msgspec.Struct, tag="step", array_like=True):
     ints: bytes
     sample: bytes
     admissions: list[Admission]
+    return_logits: bool = False
 
 
 class StopMessage(msgspec.Struct, tag="stop", array_like=True):
@@ -91,7 +94,7 @@ _decoder = msgspec.msgpack.Decoder(StepMessage | StopMessage)
 STOP = _encoder.encode(StopMessage())
 
 
-def encode_step(plan: Plan, admissions: Sequence[Admission]) -> bytes:
+def encode_step(plan: Plan, admissions: Sequence[Admission], return_logits: bool = False) -> bytes:
     """`plan` and its admissions as one message."""
     ints = np.concatenate(
         [
@@ -118,6 +121,7 @@ def encode_step(plan: Plan, admissions: Sequence[Admission]) -> bytes:
         ints=ints.tobytes(),
         sample=np.asarray(plan.sample, dtype=np.bool_).tobytes(),
         admissions=list(admissions),
+        return_logits=return_logits,
     )
     return _encoder.encode(message)
 
@@ -206,7 +210,7 @@ class TPRunner(ModelRunner):
             self._broken = self.followers.failure()
         if self._broken is not None:
             raise TPGroupBroken(self._broken)
-        payload = encode_step(prepared.plan, self._admissions)
+        payload = encode_step(prepared.plan, self._admissions, return_logits)
         self._admissions = []
         try:
             self.followers.send(payload)
@@ -243,7 +247,8 @@ def follow_steps(runner: ModelRunner, steps: zmq.Socket[bytes]) -> None:
                     ids = np.frombuffer(a.prompt_ids, dtype=np.int64).tolist()
                     out = np.frombuffer(a.output_ids, dtype=np.int64).tolist()
                     runner.admit(a.req_slot, a.params, ids, out)
-                runner.execute(runner.prepare(plan_of(message)))
+                prepared = runner.prepare(plan_of(message))
+                runner.execute(prepared, return_logits=message.return_logits)
             elif monitor in ready:
                 raise RankZeroLost("the connection to tensor-parallel rank 0 dropped")
     finally:

@@ -253,13 +253,14 @@ class LlamaForCausalLM(nn.Module):
             raise RuntimeError("the LM head was packed for oneDNN; use compute_logits")
         return self.lm_head.weight
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[B, hidden] final-normed states -> [B, vocab] logits."""
+    def compute_logits(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:
+        """[B, hidden] final-normed states -> [B, vocab] logits. Under tensor parallelism
+        without `gather`: this rank's vocabulary slice only ([B, len(tp.shard.vocab)])."""
         if self.packed_lm_head is not None:
             logits: torch.Tensor = self.packed_lm_head(hidden)
         else:
             logits = F.linear(hidden, self.lm_head_weight())
-        if self.tp is not None:
+        if self.tp is not None and gather:
             return self.tp.group.all_gather(logits, self.tp.shard.vocab_sizes)
         return logits
 
@@ -288,8 +289,10 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         batch: ForwardBatch,
         attn: AttentionBackend,
+        gather_logits: bool = True,
     ) -> torch.Tensor:
-        """input_ids: [T] (placeholders already resolved) -> logits [B, vocab]."""
+        """input_ids: [T] (placeholders already resolved) -> logits [B, vocab] (see
+        `compute_logits` for `gather_logits`)."""
         hidden = self.model.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         cis = self.rotary.cis(batch.positions)
@@ -299,7 +302,7 @@ class LlamaForCausalLM(nn.Module):
         last = batch.last_token_index
         assert residual is not None
         normed, _ = self.model.norm.add_forward(hidden[last], residual[last])
-        return self.compute_logits(normed)
+        return self.compute_logits(normed, gather_logits)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
