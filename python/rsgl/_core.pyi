@@ -187,7 +187,8 @@ class Scheduler:
     def abort(self, rid: int, message: str = ...) -> Literal["removed", "deferred", "unknown"]:
         """Aborts a request: "removed" now, "deferred" until the steps reading it commit."""
     def fail(self, rid: int, message: str) -> Literal["removed", "deferred", "unknown"]:
-        """As `abort`, for a request of a failed step: its KV is never cached."""
+        """As `abort`, for a request of a failed step: none of its KV is cached from now on
+        (what committed steps already shared, such as its prompt, stays)."""
     def finish(self, rid: int, matched: str) -> bool:
         """Finishes a request whose stop string Python found; False if unknown or over."""
     def flush_cache(self) -> bool:

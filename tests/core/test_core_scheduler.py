@@ -351,3 +351,32 @@ def test_a_prefix_computed_twice_is_deduplicated_and_the_row_rewritten() -> None
     assert ex.core.stats()["cached_tokens"] == 0
     ex.assert_outputs_undisturbed()
     assert len(ex.outputs[2]) == 3
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_prompt_is_shared_once_its_prefill_commits(page_size: int, overlap: bool) -> None:
+    # SGLang's cache_unfinished_req after a completed prefill: a request arriving while the
+    # first one decodes finds its page-aligned prompt in the cache.
+    ex = make(page_size=page_size)
+    shared = prompt_of(0, 100)
+    cached = len(shared) // page_size * page_size
+    ex.add(1, shared, 30, ignore_eos=True)
+    prefill = ex.core.schedule()
+    prefill_tokens = ex.execute(prefill)
+    if overlap:
+        decode = ex.core.schedule()  # planned while the prefill is in flight
+        decode_tokens = ex.execute(decode)
+        assert ex.core.stats()["protected"] == 0, "a step in flight was shared"
+    ex.land(prefill, prefill_tokens)
+    assert ex.core.stats()["protected"] == cached
+    ex.add(2, shared + [5, 6], 4, ignore_eos=True)
+    plan = ex.core.schedule()
+    assert plan.rids.tolist()[0] == 2 and plan.prefix_lens.tolist()[0] == cached
+    tokens = ex.execute(plan)
+    if overlap:
+        ex.land(decode, decode_tokens)
+    ex.land(plan, tokens)
+    ex.run(overlap=overlap)
+    ex.assert_outputs_undisturbed()
+    assert ex.core.stats()["cached_tokens"] == cached

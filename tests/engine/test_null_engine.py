@@ -168,3 +168,26 @@ def test_a_cuda_error_stops_the_loop_at_its_first_step() -> None:
         assert engine._loop.step_failures == 1
         with pytest.raises(RuntimeError, match="not running"):
             engine.generate(input_ids=[1000], sampling_params={"max_new_tokens": 4})
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"disable_overlap_schedule": True}, {"page_size": 16}],
+    ids=["overlap", "no-overlap", "paged"],
+)
+def test_a_request_sent_while_another_decodes_shares_its_prompt(options: dict[str, Any]) -> None:
+    # As SGLang (cache_unfinished_req after every completed prefill), a prompt enters the
+    # prefix cache once its prefill step has committed, not when its request finishes.
+    shared = list(range(1000, 1320))  # 320 tokens: whole pages of 16
+    params = {"max_new_tokens": 200, "ignore_eos": True}
+    with Engine(load_format="null", null_step_ms=5, stream_interval=1, **options) as engine:
+        first = engine.generate(input_ids=[*shared, 7, 8], sampling_params=params, stream=True)
+        head = next(first)  # its prefill has committed; it decodes for about a second more
+        second = engine.generate(
+            input_ids=[*shared, 9], sampling_params={"max_new_tokens": 4, "ignore_eos": True}
+        )
+        assert second["meta_info"]["cached_tokens"] >= len(shared)
+        rest = list(first)
+        engine.check_integrity()
+    assert len(head["output_ids"]) + sum(len(c["output_ids"]) for c in rest) == 200
+    assert rest[-1]["meta_info"]["finish_reason"]["type"] == "length"

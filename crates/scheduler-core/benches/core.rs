@@ -1,5 +1,6 @@
 //! Criterion micro-benchmarks: radix match / insert / evict on large trees, the page
-//! allocator, and one full decode step (schedule + commit) at 64, 256 and 1024 running.
+//! allocator, one full decode step (schedule + commit) at 64, 256 and 1024 running, and one
+//! prefill step (schedule + commit) of requests sharing a system prompt.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -157,5 +158,53 @@ fn step(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, radix, allocator, step);
+/// A scheduler with `n` waiting requests: a shared 1024-token system prompt plus 128 tokens
+/// of their own, page size `page`.
+fn prefilling_scheduler(n: usize, page: usize) -> Scheduler {
+    let cfg = SchedulerConfig {
+        max_total_tokens: n * 4096,
+        page_size: page,
+        max_running_requests: n,
+        context_len: 1 << 16,
+        max_prefill_tokens: n * 2048,
+        chunked_prefill_size: None,
+        ..SchedulerConfig::default()
+    };
+    let mut s = Scheduler::new(cfg).unwrap();
+    let system = tokens(1, 1024);
+    for rid in 0..n as u64 {
+        let limits = SamplingLimits {
+            max_new_tokens: 1024,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        let mut prompt = system.clone();
+        prompt.extend(tokens(rid + 100, 128));
+        s.add_request(rid, prompt, limits).unwrap();
+    }
+    s
+}
+
+fn prefill_step(c: &mut Criterion) {
+    let mut group = c.benchmark_group("schedule_commit_prefill");
+    let n = 64;
+    for page in [1usize, 16] {
+        let next = vec![12i64; n];
+        group.bench_function(BenchmarkId::new("64x1152_shared_1024", page), |b| {
+            b.iter_batched(
+                || prefilling_scheduler(n, page),
+                |mut s| {
+                    let plan = s.schedule();
+                    assert_eq!(plan.rids.len(), n);
+                    black_box(s.commit(plan.id, &next).unwrap());
+                    (s, plan)
+                },
+                BatchSize::LargeInput,
+            )
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, radix, allocator, step, prefill_step);
 criterion_main!(benches);

@@ -127,6 +127,24 @@ impl TokenPool {
         }
     }
 
+    /// [`free`](Self::free) for a run laid out as the scheduler keeps KV (request rows, tree
+    /// values): it starts on a page boundary and slot `i` sits at offset `i % page_size` of its
+    /// page, so every `page_size`-th slot is a page's first and only those are read. Returns
+    /// the same pages in the same order as `free`.
+    pub fn free_run(&mut self, run: &[Slot]) {
+        let p = self.page_size;
+        if p == 1 {
+            self.free(run);
+            return;
+        }
+        let firsts = run.iter().step_by(p as usize);
+        debug_assert!(
+            firsts.clone().all(|&slot| slot % p == 0 && slot >= p),
+            "a run that is not page-aligned"
+        );
+        self.free_pages.extend(firsts.map(|&slot| slot / p));
+    }
+
     /// The page that holds `slot`.
     pub fn page_of(&self, slot: Slot) -> u32 {
         slot / self.page_size
@@ -214,6 +232,17 @@ mod tests {
         assert_eq!(pool.available(), 64 - 8);
         pool.free(&slots);
         assert_eq!(pool.available(), 64);
+    }
+
+    #[test]
+    fn free_run_returns_what_free_does_for_page_aligned_runs() {
+        let mut a = TokenPool::new(256, 16);
+        let mut b = TokenPool::new(256, 16);
+        let run = a.alloc_tokens(40).unwrap();
+        b.alloc_tokens(40).unwrap();
+        a.free(&run[16..]);
+        b.free_run(&run[16..]);
+        assert_eq!(a.free_page_ids(), b.free_page_ids());
     }
 
     #[test]

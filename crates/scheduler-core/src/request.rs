@@ -1,5 +1,8 @@
 //! Request state: token ids, sampling limits, lifecycle and finish reasons.
 
+use std::borrow::Cow;
+use std::ops::Range;
+
 use crate::pool::Slot;
 use crate::radix::{NodeId, ROOT};
 
@@ -86,9 +89,10 @@ pub struct Request {
     pub prefix_len: usize,
     /// Deepest tree node of the cached prefix; locked while the request holds it.
     pub last_node: NodeId,
-    /// First `req_to_token` position whose slot changed since the executor last saw this
-    /// request's row (caching a chunk swaps duplicates for the tree's slots).
-    pub stale_row_from: Option<usize>,
+    /// Positions of the request's `req_to_token` row whose slots the executor has not seen:
+    /// the cached prefix of a row just taken, or positions whose duplicate slots caching
+    /// swapped for the tree's. The next plan that computes the request writes them first.
+    pub stale_row: Option<Range<usize>>,
     /// Tokens sampled by in-flight steps and not yet committed.
     pub pending_tokens: usize,
     /// In-flight (scheduled, uncommitted) steps that include this request.
@@ -98,8 +102,8 @@ pub struct Request {
     /// Leading KV positions computed by committed steps (a cached prefix counts). Only these
     /// may enter the prefix tree: a step in flight may still fail.
     pub computed_len: usize,
-    /// Whether releasing the request may insert its KV into the prefix tree. Cleared when a
-    /// step that included it failed: that step may have written part of its KV, or none.
+    /// Whether the request's KV may still go into the prefix tree. Cleared when a step that
+    /// included it failed: that step may have written part of its KV, or none.
     pub cacheable: bool,
 }
 
@@ -118,7 +122,7 @@ impl Request {
             kv_slots: Vec::new(),
             prefix_len: 0,
             last_node: ROOT,
-            stale_row_from: None,
+            stale_row: None,
             pending_tokens: 0,
             inflight_steps: 0,
             cached_tokens: 0,
@@ -147,6 +151,18 @@ impl Request {
         ids.extend_from_slice(&self.prompt);
         ids.extend_from_slice(&self.output);
         ids
+    }
+
+    /// The first `n` tokens of prompt + output (borrowed when they are all prompt tokens).
+    pub fn fill_prefix(&self, n: usize) -> Cow<'_, [u32]> {
+        match self.prompt.get(..n) {
+            Some(head) => Cow::Borrowed(head),
+            None => {
+                let mut ids = self.fill_ids();
+                ids.truncate(n);
+                Cow::Owned(ids)
+            }
+        }
     }
 
     /// Tokens with KV computed or in flight.
@@ -241,5 +257,7 @@ mod tests {
         r.output = vec![9];
         assert_eq!(r.fill_ids(), vec![1, 2, 3, 9]);
         assert_eq!(r.token_at(3), 9);
+        assert_eq!(&*r.fill_prefix(2), &[1, 2]);
+        assert_eq!(&*r.fill_prefix(4), &[1, 2, 3, 9]);
     }
 }

@@ -1,6 +1,10 @@
 //! Property tests: random sequences of add / schedule / commit / abort / finish / flush against
-//! small pools, checking the integrity invariant after every call, and at the end that every
-//! request finished the way the rules say, with the outputs a never-retracted run would give.
+//! small pools, checking the integrity invariant after every call, that every step reads
+//! exactly its requests' own KV through rows the core keeps up to date (`sim::Executor`), and
+//! at the end that every request finished the way the rules say, with the outputs a
+//! never-retracted run would give.
+
+mod sim;
 
 use std::collections::HashMap;
 
@@ -138,6 +142,7 @@ struct Driver {
     limits: HashMap<u64, (usize, usize, bool)>,
     stopped_by_caller: Vec<u64>,
     next_rid: u64,
+    exec: sim::Executor,
 }
 
 impl Driver {
@@ -176,6 +181,8 @@ impl Driver {
         assert_eq!(offset, plan.input_ids.len());
         assert_eq!(plan.positions.len(), offset);
         assert_eq!(plan.out_cache_loc.len(), offset);
+        // Steps execute in launch order, each before anything planned after it.
+        self.exec.execute(&self.s, &plan, &tokens);
         self.inflight.push((plan, tokens));
         true
     }
@@ -235,8 +242,10 @@ fn run(setup: Setup, ops: Vec<Op>) {
         seed: 7,
         ..SchedulerConfig::default()
     };
+    let s = Scheduler::new(cfg).unwrap();
     let mut d = Driver {
-        s: Scheduler::new(cfg).unwrap(),
+        exec: sim::Executor::new(&s, fake_token),
+        s,
         overlap: setup.overlap,
         inflight: Vec::new(),
         produced: HashMap::new(),
@@ -271,6 +280,7 @@ fn run(setup: Setup, ops: Vec<Op>) {
                 };
                 match d.s.add_request(rid, prompt.clone(), limits) {
                     Ok(()) => {
+                        d.exec.add(rid, &prompt);
                         let room = d.s.max_new_tokens_room(prompt.len());
                         d.limits
                             .insert(rid, (max_new.min(room), max_new / 4, ignore_eos));

@@ -202,8 +202,9 @@ impl PyScheduler {
         }
     }
 
-    /// Aborts a request that was in a failed step, as `abort`, but its KV is never cached
-    /// (the failed step may have written part of it). Same return values as `abort`.
+    /// Aborts a request that was in a failed step, as `abort`, but none of its KV is cached
+    /// from now on (the failed step may have written part of it); what committed steps
+    /// computed and already shared stays. Same return values as `abort`.
     fn fail(&mut self, rid: u64, message: String) -> &'static str {
         match self.inner.fail(rid, message) {
             AbortStatus::Removed => "removed",

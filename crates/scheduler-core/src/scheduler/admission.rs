@@ -1,42 +1,48 @@
 //! Admission and prefill: which waiting requests join the next step (policy order,
 //! budgets, priority preemption), their KV slots, and their extend layout in the plan.
 
+use std::ops::Range;
+
 use super::*;
 
 impl Scheduler {
-    /// After a chunk, SGLang's `cache_unfinished_req`: the computed, page-aligned prefix goes
-    /// into the tree (so others can share it), duplicates are freed, and the request's lock
-    /// moves to the new deepest node. Unlike SGLang, a chunk whose step is still in flight
-    /// waits for the next call: if that step failed, its KV must not be in the tree.
-    pub(super) fn cache_unfinished(&mut self, idx: usize) {
+    /// SGLang's `cache_unfinished_req` for request `idx` whose first `committed` tokens have
+    /// KV computed by committed steps: that prefix, floored to whole pages, goes into the
+    /// tree (so that others can share it), the request's duplicates of what the tree already
+    /// held are freed, its lock moves to the new deepest node, and its row now points at the
+    /// tree's slots. SGLang calls it after each chunk and when a prefill completes; a step
+    /// still in flight must not be cached (if it fails, its KV must not be shared), which is
+    /// why only committed tokens count.
+    ///
+    /// Freeing the duplicates while a step that reads them is in flight is safe: steps run in
+    /// order and only a plan made from now on can take those slots, so any new owner writes
+    /// them after every step planned so far has finished reading them. Such a plan rewrites
+    /// the changed positions of this request's row (`stale_row`) before it computes it.
+    pub(super) fn cache_unfinished(&mut self, idx: usize, committed: usize) {
         if self.tree.is_disabled() {
             return;
         }
-        let computed = self.req(idx).computed_len.min(self.req(idx).kv_len());
-        if computed <= self.req(idx).prefix_len {
-            return; // nothing committed since the last call
-        }
+        let p = self.cfg.page_size;
         let mut req = self.reqs[idx].take().expect("live request");
-        let kv = computed;
-        let fill = req.fill_ids();
-        let key = &fill[..kv];
-        debug_assert!(
-            kv.is_multiple_of(self.cfg.page_size),
-            "chunks end on page boundaries"
-        );
-        let present = self.tree.insert(key, &req.kv_slots[..kv]);
-        self.pool.free(&req.kv_slots[req.prefix_len..present]);
+        let aligned = committed.min(req.kv_len()) / p * p;
+        debug_assert!(aligned >= req.prefix_len, "the cached prefix only grows");
+        let key = req.fill_prefix(aligned);
+        // The request's own prefix is in the tree and locked, so `present >= prefix_len`.
+        let present = self.tree.insert(&key, &req.kv_slots[..aligned]);
+        self.pool.free_run(&req.kv_slots[req.prefix_len..present]);
         self.scratch.clear();
-        let (matched, node) = self.tree.match_prefix(key, &mut self.scratch);
-        debug_assert_eq!(matched, kv);
+        let (matched, node) = self.tree.match_prefix(&key, &mut self.scratch);
+        debug_assert_eq!(matched, aligned);
         self.tree.lock(node);
         self.tree.unlock(req.last_node);
-        // Positions prefix_len..present now use the tree's slots; the executor's row is
-        // rewritten by the next plan that computes this request (see `plan_extend`).
         if present > req.prefix_len {
-            req.stale_row_from = Some(req.stale_row_from.unwrap_or(req.prefix_len));
+            let changed = req.prefix_len..present;
+            req.stale_row = Some(match req.stale_row.take() {
+                Some(old) => old.start.min(changed.start)..old.end.max(changed.end),
+                None => changed,
+            });
         }
-        req.kv_slots[..kv].copy_from_slice(&self.scratch[..kv]);
+        req.kv_slots[..matched].copy_from_slice(&self.scratch[..matched]);
         req.prefix_len = matched;
         req.last_node = node;
         self.reqs[idx] = Some(req);
@@ -144,6 +150,8 @@ impl Scheduler {
             req.computed_len = matched;
             req.last_node = node;
             req.kv_slots = values;
+            // A row just taken: the executor has none of the cached prefix yet.
+            req.stale_row = (matched > 0).then_some(0..matched);
             if req.state == ReqState::Waiting {
                 req.cached_tokens = matched;
                 self.counters.prompt_tokens += req.prompt.len() as u64;
@@ -260,7 +268,9 @@ impl Scheduler {
             }
             let r = self.req(v);
             let own = (r.kv_len() - r.prefix_len).div_ceil(self.cfg.page_size) * self.cfg.page_size;
-            rem += own as f64 + r.remaining_new_tokens().min(CLIP_MAX_NEW_TOKENS) as f64 * ratio;
+            // Its cached prompt becomes evictable too, where no other request locks it.
+            let freed = own + self.sole_locked_prefix(v);
+            rem += freed as f64 + r.remaining_new_tokens().min(CLIP_MAX_NEW_TOKENS) as f64 * ratio;
             chosen.push(v);
         }
         if rem < need || chosen.is_empty() {
@@ -273,6 +283,19 @@ impl Scheduler {
             self.counters.preemptions += 1;
         }
         true
+    }
+
+    /// Tokens of request `idx`'s cached prefix that no other request locks: releasing it
+    /// makes them evictable. Lock counts only grow towards the root, so the walk stops at the
+    /// first node another request holds too.
+    pub(super) fn sole_locked_prefix(&self, idx: usize) -> usize {
+        let mut node = self.req(idx).last_node;
+        let mut tokens = 0;
+        while node != ROOT && self.tree.lock_ref(node) == 1 {
+            tokens += self.tree.node_len(node);
+            node = self.tree.parent(node);
+        }
+        tokens
     }
 
     /// Allocates `n` KV slots continuing request `idx`'s last page, evicting from the tree
@@ -332,7 +355,7 @@ impl Scheduler {
         }
         self.scratch.clear();
         self.tree.evict(tokens - available, &mut self.scratch);
-        self.pool.free(&self.scratch);
+        self.pool.free_run(&self.scratch);
         self.pool.available() >= tokens
     }
 
@@ -349,22 +372,9 @@ impl Scheduler {
             plan.admitted.push(self.req(idx).rid as i64);
         }
         let slots = self.alloc_for(idx, len);
+        write_stale_row(self.req_mut(idx), plan);
         let req = self.req(idx);
         let row = req.req_slot.expect("slot assigned") as i64;
-        // A new row gets the cached prefix; a chunked request's row gets the positions that
-        // caching its last chunk moved to the tree's slots.
-        let stale_from = if newly_admitted {
-            Some(0)
-        } else {
-            req.stale_row_from
-        };
-        if let Some(from) = stale_from {
-            for (pos, &slot) in req.kv_slots.iter().enumerate().skip(from) {
-                plan.write_rows.push(row);
-                plan.write_cols.push(pos as i64);
-                plan.write_slots.push(slot as i64);
-            }
-        }
         let start = req.kv_len();
         for (i, &slot) in slots.iter().enumerate() {
             let pos = start + i;
@@ -375,11 +385,10 @@ impl Scheduler {
             plan.write_cols.push(pos as i64);
             plan.write_slots.push(slot as i64);
         }
-        self.push_request_arrays(plan, idx, start, len, whole);
+        push_request_arrays(plan, req, start, len, whole);
         let was_chunked = self.chunked == Some(idx);
         let req = self.req_mut(idx);
         req.kv_slots.extend_from_slice(&slots);
-        req.stale_row_from = None;
         if whole {
             req.state = ReqState::Running;
             req.pending_tokens += 1;
@@ -395,25 +404,50 @@ impl Scheduler {
         entries.push(Entry {
             idx,
             sample: whole,
+            completes_prefill: whole,
             kv_end: req.kv_len(),
         });
     }
+}
 
-    pub(super) fn push_request_arrays(
-        &self,
-        plan: &mut Plan,
-        idx: usize,
-        start: usize,
-        len: usize,
-        sample: bool,
-    ) {
-        let req = self.req(idx);
-        plan.rids.push(req.rid as i64);
-        plan.req_slots
-            .push(req.req_slot.expect("slot assigned") as i64);
-        plan.prefix_lens.push(start as i64);
-        plan.extend_lens.push(len as i64);
-        plan.seq_lens.push((start + len) as i64);
-        plan.sample.push(sample);
+/// Appends the `req_to_token` writes for the positions of `req`'s row that the executor has
+/// not seen (`stale_row`). Every plan that computes a request calls this before it reads the
+/// row: a position left stale could point at a duplicate slot that was freed and that this
+/// very step may fill with another request's KV.
+#[inline]
+pub(super) fn write_stale_row(req: &mut Request, plan: &mut Plan) {
+    if let Some(stale) = req.stale_row.take() {
+        write_row(req, stale, plan);
     }
+}
+
+/// `req_to_token[row, positions] = kv_slots[positions]` for `req`'s row; out of line, as most
+/// plans of a request have nothing stale to write.
+#[cold]
+#[inline(never)]
+fn write_row(req: &Request, positions: Range<usize>, plan: &mut Plan) {
+    let row = req.req_slot.expect("a planned request holds a slot") as i64;
+    for pos in positions {
+        plan.write_rows.push(row);
+        plan.write_cols.push(pos as i64);
+        plan.write_slots.push(req.kv_slots[pos] as i64);
+    }
+}
+
+/// Appends `req`'s per-request arrays: `len` tokens computed from position `start`.
+#[inline]
+pub(super) fn push_request_arrays(
+    plan: &mut Plan,
+    req: &Request,
+    start: usize,
+    len: usize,
+    sample: bool,
+) {
+    plan.rids.push(req.rid as i64);
+    plan.req_slots
+        .push(req.req_slot.expect("slot assigned") as i64);
+    plan.prefix_lens.push(start as i64);
+    plan.extend_lens.push(len as i64);
+    plan.seq_lens.push((start + len) as i64);
+    plan.sample.push(sample);
 }

@@ -5,7 +5,9 @@ use super::*;
 impl Scheduler {
     /// Verifies that every KV page is owned exactly once (free list, tree, or one request),
     /// that `free + evictable + protected + held == capacity`, that request slots and tree
-    /// locks match the requests holding them, and the queues' consistency.
+    /// locks match the requests holding them, that a request's cached prefix was computed by
+    /// committed steps and covers the positions of its row the executor has not seen, and
+    /// the queues' consistency.
     pub fn check(&self) -> Result<(), String> {
         self.tree.check()?;
         let p = self.cfg.page_size;
@@ -53,6 +55,24 @@ impl Scheduler {
                     req.kv_len(),
                     req.fill_len()
                 ));
+            }
+            // Only KV of committed steps may be shared: a step in flight may still fail.
+            if req.prefix_len > req.computed_len {
+                return Err(format!(
+                    "{what}: {} tokens in the tree but only {} computed by committed steps",
+                    req.prefix_len, req.computed_len
+                ));
+            }
+            // Positions of the row the executor has not seen must hold tree slots this request
+            // locks: those cannot be freed (and taken by another request) before it sees them.
+            if let Some(stale) = &req.stale_row {
+                let queued = matches!(req.state, ReqState::Waiting | ReqState::Retracted);
+                if stale.is_empty() || stale.end > req.prefix_len || queued {
+                    return Err(format!(
+                        "{what}: stale row positions {stale:?} with prefix {} in state {:?}",
+                        req.prefix_len, req.state
+                    ));
+                }
             }
             let mut node = req.last_node;
             let mut path_len = 0;

@@ -62,6 +62,12 @@ impl Scheduler {
             self.counters.generated_tokens += 1;
             if let Some(reason) = req.check_finished(&self.cfg.eos_token_ids) {
                 out.finished.push(self.mark_finished(e.idx, reason));
+            } else if e.completes_prefill && req.state == ReqState::Running && req.cacheable {
+                // SGLang's `process_batch_result_prefill`, in batch order: a prompt whose
+                // prefill completed goes into the tree now, so that requests arriving while
+                // this one decodes share it. (A request retracted since this step was planned
+                // holds no KV: it is skipped, as in SGLang.)
+                self.cache_unfinished(e.idx, e.kv_end);
             }
         }
         for e in &flight.entries {
@@ -159,9 +165,11 @@ impl Scheduler {
     }
 
     /// Aborts a request that was in a step whose execution failed. As `abort`, except that
-    /// none of its KV is ever inserted into the prefix tree: the failed step may have written
-    /// some of it, or none, so other requests must not reuse it. Idempotent; a request that
-    /// already finished but is still held by an in-flight step loses its caching too.
+    /// none of its KV is inserted into the prefix tree from now on: the failed step may have
+    /// written some of it, or none, so other requests must not reuse it. What committed steps
+    /// computed and already put there (its prompt once its prefill step committed, committed
+    /// chunks) stays: the failed step only wrote its own new slots. Idempotent; a request
+    /// that already finished but is still held by an in-flight step loses its caching too.
     pub fn fail(&mut self, rid: Rid, message: String) -> AbortStatus {
         let Some(&idx) = self.by_rid.get(&rid) else {
             return AbortStatus::Unknown;
@@ -177,7 +185,7 @@ impl Scheduler {
         }
         self.scratch.clear();
         self.tree.reset(&mut self.scratch);
-        self.pool.free(&self.scratch);
+        self.pool.free_run(&self.scratch);
         true
     }
 }

@@ -1,13 +1,17 @@
 //! Decode and retraction: one token per running request, and making room for it by
 //! retracting requests when the pool runs short.
 
+use super::admission::{push_request_arrays, write_stale_row};
 use super::*;
 
 impl Scheduler {
     /// Appends one request's decode token to the plan.
     pub(super) fn plan_decode(&mut self, idx: usize, plan: &mut Plan, entries: &mut Vec<Entry>) {
         let slot = self.alloc_one(idx);
-        let req = self.req(idx);
+        let req = self.reqs[idx].as_mut().expect("live request");
+        // Caching the prompt when its prefill committed may have moved part of the row to
+        // the tree's slots (see `cache_unfinished`).
+        write_stale_row(req, plan);
         let pos = req.kv_len();
         let row = req.req_slot.expect("running request holds a slot") as i64;
         let input = if pos < req.fill_len() {
@@ -21,14 +25,13 @@ impl Scheduler {
         plan.write_rows.push(row);
         plan.write_cols.push(pos as i64);
         plan.write_slots.push(slot as i64);
-        self.push_request_arrays(plan, idx, pos, 1, true);
-        let req = self.req_mut(idx);
+        push_request_arrays(plan, req, pos, 1, true);
         req.kv_slots.push(slot);
         req.pending_tokens += 1;
-        let req = self.req(idx);
         entries.push(Entry {
             idx,
             sample: true,
+            completes_prefill: false,
             kv_end: req.kv_len(),
         });
     }
@@ -119,10 +122,10 @@ impl Scheduler {
             let aligned = n / p * p;
             let key = req.fill_ids();
             let present = self.tree.insert(&key[..aligned], &req.kv_slots[..aligned]);
-            self.pool.free(&req.kv_slots[req.prefix_len..present]);
-            self.pool.free(&req.kv_slots[aligned..]);
+            self.pool.free_run(&req.kv_slots[req.prefix_len..present]);
+            self.pool.free_run(&req.kv_slots[aligned..]);
         } else {
-            self.pool.free(&req.kv_slots[req.prefix_len..]);
+            self.pool.free_run(&req.kv_slots[req.prefix_len..]);
         }
         self.tree.unlock(req.last_node);
         if req.inflight_steps == 0 {
@@ -131,6 +134,7 @@ impl Scheduler {
             }
         }
         req.kv_slots.clear();
+        req.stale_row = None;
         req.prefix_len = 0;
         req.computed_len = 0;
         req.last_node = ROOT;

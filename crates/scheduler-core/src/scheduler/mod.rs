@@ -7,6 +7,11 @@
 //! whose input token is not committed yet gets the placeholder [`FUTURE_TOKEN`], which the
 //! executor resolves from its FutureMap. A finished or aborted request keeps its KV slots and
 //! request slot until the last in-flight step that includes it has been committed.
+//!
+//! A prompt enters the prefix tree as in SGLang: the chunked request's computed prefix at the
+//! next `schedule`, every other request's prompt when the step that completes its prefill
+//! is committed (so requests arriving while it decodes share it), and what is left when it
+//! finishes. Only committed steps' KV is ever inserted: a step in flight may still fail.
 
 use std::collections::VecDeque;
 use std::fmt;
@@ -220,7 +225,12 @@ impl Scheduler {
         };
         self.next_plan_id += 1;
         if let Some(idx) = self.chunked {
-            self.cache_unfinished(idx);
+            // Its chunks committed since the last call (none while the last is in flight).
+            let req = self.req(idx);
+            let committed = req.computed_len.min(req.kv_len());
+            if committed > req.prefix_len {
+                self.cache_unfinished(idx, committed);
+            }
         }
         let decodable: Vec<usize> = self
             .running

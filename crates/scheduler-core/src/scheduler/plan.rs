@@ -173,6 +173,9 @@ pub struct Stats {
 pub(super) struct Entry {
     pub(super) idx: usize,
     pub(super) sample: bool,
+    /// Whether this step computes the last of the request's prefill (its whole extend or
+    /// its last chunk): once committed, the prompt goes into the prefix tree.
+    pub(super) completes_prefill: bool,
     /// The request's KV length once this step has run.
     pub(super) kv_end: usize,
 }
