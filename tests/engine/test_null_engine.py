@@ -118,7 +118,8 @@ def test_a_stream_interval_streams_n_tokens_per_chunk() -> None:
 
 def test_a_request_may_ask_for_its_own_stream_interval() -> None:
     prompt = list(range(1000, 1010))
-    with Engine(load_format="null", stream_interval=4) as engine:
+    # 10 ms steps: the reader keeps up, so chunks are not merged while they wait for it.
+    with Engine(load_format="null", stream_interval=4, null_step_ms=10) as engine:
         params = {"max_new_tokens": 10, "stream_interval": 3}
         chunks = list(engine.generate(input_ids=prompt, sampling_params=params, stream=True))
     sizes = [len(c["output_ids"]) for c in chunks]

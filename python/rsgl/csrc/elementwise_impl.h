@@ -29,6 +29,37 @@ void ACT_FN(rsgl_add_rmsnorm)(const ACT_T* x, const ACT_T* residual, ACT_T* resi
         const ACT_T* xr = x + r * dim;
         const ACT_T* hr = xr;
         float ss = 0.f;
+#if ACT_BF16 && defined(__AVX512F__)
+        /* By hand, as in silu_mul: GCC's loops spend most of their time in the bfloat16
+           conversions (a [2000, 576] prefill row block: 0.66 ms before). */
+        if (dim % 16 == 0) {
+            ACT_T* o = out + r * dim;
+            __m512 acc = _mm512_setzero_ps();
+            if (residual) {
+                const ACT_T* rr = residual + r * dim;
+                ACT_T* sum = residual_out + r * dim;
+                for (int64_t i = 0; i < dim; i += 16) {
+                    const __m512 h =
+                        bf16x16_round(_mm512_add_ps(bf16x16_load(xr + i), bf16x16_load(rr + i)));
+                    bf16x16_store(sum + i, h);
+                    acc = _mm512_fmadd_ps(h, h, acc);
+                }
+                hr = sum;
+            } else {
+                for (int64_t i = 0; i < dim; i += 16) {
+                    const __m512 h = bf16x16_load(xr + i);
+                    acc = _mm512_fmadd_ps(h, h, acc);
+                }
+            }
+            const __m512 inv = _mm512_set1_ps(
+                1.f / sqrtf(_mm512_reduce_add_ps(acc) / (float)dim + eps));
+            for (int64_t i = 0; i < dim; i += 16) {
+                const __m512 normed = bf16x16_round(_mm512_mul_ps(bf16x16_load(hr + i), inv));
+                bf16x16_store(o + i, _mm512_mul_ps(bf16x16_load(w + i), normed));
+            }
+            continue;
+        }
+#endif
         if (residual) {
             const ACT_T* rr = residual + r * dim;
             ACT_T* sum = residual_out + r * dim;
