@@ -291,7 +291,10 @@ def test_a_failing_step_aborts_only_its_requests(server: str) -> None:
     events = [line[6:] for line in streamed.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert "injected fault for request poison-2" in json.loads(events[-2])["error"]["message"]
-    idle = wait_idle(server)
+    # The scheduler's stats arrive once a second: an idle snapshot may predate the failures.
+    deadline = time.time() + 10
+    while (idle := wait_idle(server))["step_failures"] < 2 and time.time() < deadline:
+        time.sleep(0.3)
     assert idle["step_failures"] >= 2
     assert metric(server, "rsgl_step_failures_total") - failures_before >= 2
     assert_serving(server)
