@@ -354,7 +354,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tmp_path: Path) -> None:
         async def scenario() -> tuple[list[str], int, int]:
             async with httpx.AsyncClient(base_url=url, timeout=120) as c:
                 body = dict(
-                    OK_COMPLETION, prompt="Once", max_tokens=24, ignore_eos=True, stream=True
+                    OK_COMPLETION, prompt="Once", max_tokens=48, ignore_eos=True, stream=True
                 )
                 lines: list[str] = []
                 async with c.stream("POST", COMPLETIONS, json=body) as r:
@@ -363,7 +363,13 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tmp_path: Path) -> None:
                         pass
                     lines.append(line)
                     proc.send_signal(signal.SIGTERM)
-                    await asyncio.sleep(0.5)
+                    # As soon as the server is draining (the stream is still running: it
+                    # must be, or the server would already be gone).
+                    for _ in range(100):
+                        health = await c.get("/health")
+                        if health.status_code != 200:
+                            break
+                        await asyncio.sleep(0.02)
                     refused = await c.post(COMPLETIONS, json=OK_COMPLETION)
                     health = await c.get("/health")
                     async for line in it:
