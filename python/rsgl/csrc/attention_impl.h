@@ -85,6 +85,17 @@ static inline __m512 FN(sum16)(const __m512* v) {
                          _mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+/* The scores of 16 positions for every head, from their parked 16-lane partial sums
+   (part: H x 16 vectors): out[h * stride + t] = scale * (the lanes of part[h][t] summed). */
+static inline void FN(finish16)(const float* part, int64_t H, __m512 vscale, float* out,
+                                int64_t stride) {
+    for (int64_t h = 0; h < H; h++) {
+        __m512 v[16];
+        for (int64_t t = 0; t < 16; t++) v[t] = _mm512_loadu_ps(part + (h * 16 + t) * 16);
+        _mm512_storeu_ps(out + h * stride, _mm512_mul_ps(FN(sum16)(v), vscale));
+    }
+}
+
 /* ob[h0 .. h0 + ng - 1] = the probabilities sc of those heads times V (kv head offset jD).
    The first group of a request prefetches whole V rows, so later groups find them cached. */
 static inline __attribute__((always_inline)) void FN(v_group)(
@@ -159,11 +170,7 @@ static inline __attribute__((always_inline)) void FN(attend_avx512_impl)(
                 _mm512_storeu_ps(part + (h * 16 + t) * 16, a);
             }
         }
-        for (int64_t h = 0; h < H; h++) {
-            __m512 v[16];
-            for (int64_t t = 0; t < 16; t++) v[t] = _mm512_loadu_ps(part + (h * 16 + t) * 16);
-            _mm512_storeu_ps(sc + h * len + s0, _mm512_mul_ps(FN(sum16)(v), vscale));
-        }
+        FN(finish16)(part, H, vscale, sc + s0, len);
     }
     for (int64_t s = s0; s < len; s++) {
         const KV_T* k = kb + (int64_t)slots[s] * row;
@@ -247,11 +254,7 @@ static inline __attribute__((always_inline)) void FN(attend_dp_impl)(
                 }
             }
         }
-        for (int64_t h = 0; h < H; h++) {
-            __m512 v[16];
-            for (int64_t t = 0; t < 16; t++) v[t] = _mm512_loadu_ps(part + (h * 16 + t) * 16);
-            _mm512_storeu_ps(sc + h * len + s0, _mm512_mul_ps(FN(sum16)(v), vscale));
-        }
+        FN(finish16)(part, H, vscale, sc + s0, len);
     }
     for (int64_t s = s0; s < len; s++) {
         const KV_T* k = kb + (int64_t)slots[s] * row;
