@@ -15,7 +15,10 @@ EXT := python/rsgl/_core.abi3.so
 CORE_SRC := $(shell find crates/scheduler-core/src -name '*.rs') Cargo.toml \
 	crates/scheduler-core/Cargo.toml pyproject.toml
 
-.PHONY: setup test test-rust test-python serve bench lint fmt clean
+# A test reading a clock to bound elapsed time: an elapsed difference, or an assert on a clock.
+WALL_CLOCK := (perf_counter|monotonic|time\.time)(_ns)?\(\) *-|assert .*(perf_counter|monotonic|time\.time)(_ns)?\(
+
+.PHONY: setup test test-rust test-python test-portable serve bench lint fmt clean
 
 setup: $(VENV)/.deps $(EXT)
 
@@ -40,6 +43,20 @@ test-rust:
 test-python: setup
 	$(PY) -m pytest -q
 
+# The Python suite as if this CPU had fewer instruction sets (rsgl/cpu_features.py): once per
+# level it can emulate (AVX2, then scalar SSE2 on any x86-64; AVX-512 levels where present),
+# with rsgl's C kernels built for that level and torch's own kernels capped to it. Not part of
+# `make test`. LEVELS=avx2 or PYTEST_ARGS=tests/model narrow it.
+LEVELS ?= $(shell $(PY) -m rsgl.cpu_features --levels 2>/dev/null)
+PYTEST_ARGS ?=
+
+test-portable: setup
+	@for level in $(LEVELS); do \
+		echo "== RSGL_CPU_FEATURES=$$level"; \
+		env $$($(PY) -m rsgl.cpu_features --env $$level) $(PY) -m rsgl.cpu_features || exit 1; \
+		env $$($(PY) -m rsgl.cpu_features --env $$level) $(PY) -m pytest -q $(PYTEST_ARGS) || exit 1; \
+	done
+
 serve: setup
 	$(PY) -m rsgl serve
 
@@ -59,6 +76,8 @@ lint: setup
 	$(CARGO) clippy -p scheduler-core --all-targets --features python -- -D warnings
 	$(PY) -m ruff check python tests benches tools
 	$(PY) -m ruff format --check python tests benches tools
+	@if grep -rnE --include='*.py' -e '$(WALL_CLOCK)' tests; then \
+		echo "tests must not bound elapsed wall time (measure it in a benchmark)"; exit 1; fi
 	$(PY) -m mypy python/rsgl
 	$(PY) -m mypy.stubtest rsgl._core
 

@@ -3,12 +3,25 @@ sysfs' topology (both read from made-up files here)."""
 
 from __future__ import annotations
 
+import platform
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
+
 from rsgl.cpu_features import (
+    ENV,
+    LEVELS,
     affinity_cpus,
+    allows,
     cpu_bf16_features,
+    cpu_flags,
     default_cpu_threads,
+    emulated_level,
+    kernel_march,
+    library_env,
+    missing_flags,
     physical_cores,
 )
 
@@ -60,3 +73,60 @@ def test_hyperthreads_of_one_core_count_once(tmp_path: Path) -> None:
 
 def test_the_default_thread_count_fits_the_affinity() -> None:
     assert 1 <= default_cpu_threads() <= len(affinity_cpus())
+
+
+SAPPHIRE = "avx avx2 fma f16c avx512f avx512bw avx512cd avx512dq avx512vl avx512_bf16 amx_bf16"
+
+
+def test_a_level_keeps_only_its_simd_flags(tmp_path: Path) -> None:
+    cpuinfo = write_cpuinfo(tmp_path, SAPPHIRE.replace("avx2 ", "avx2 sse4_2 "))
+    everything = cpu_flags(cpuinfo, level=None)
+    assert {"amx_bf16", "avx512f", "sse4_2"} <= everything
+    avx2 = cpu_flags(cpuinfo, LEVELS["avx2"])
+    assert {"avx2", "fma", "f16c", "sse4_2", "fpu"} <= avx2
+    assert not avx2 & {"avx512f", "avx512_bf16", "amx_bf16"}
+    scalar = cpu_flags(cpuinfo, LEVELS["scalar"])
+    assert "sse4_2" in scalar and not scalar & {"avx", "avx2", "avx512f"}
+    zen4 = cpu_flags(cpuinfo, LEVELS["avx512_bf16"])
+    assert {"avx512f", "avx512_bf16"} <= zen4 and "amx_bf16" not in zen4
+
+
+def test_a_level_the_cpu_lacks_names_what_is_missing(tmp_path: Path) -> None:
+    zen3 = write_cpuinfo(tmp_path, "avx avx2 fma f16c")
+    assert missing_flags(LEVELS["avx2"], zen3) == ()
+    assert missing_flags(LEVELS["scalar"], zen3) == ()
+    assert missing_flags(LEVELS["avx512"], zen3) == ("avx512bw", "avx512cd", "avx512dq", "avx512vl")
+
+
+def test_the_level_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert emulated_level({}) is None and emulated_level({ENV: "native"}) is None
+    with pytest.raises(ValueError, match="expected native or one of scalar, avx2"):
+        emulated_level({ENV: "avx3"})
+    if platform.machine() != "x86_64":
+        pytest.skip("the levels are x86-64's")
+    assert emulated_level({ENV: "AVX2"}) is LEVELS["avx2"]
+    monkeypatch.setenv(ENV, "avx2")
+    assert kernel_march() == ("-march=x86-64-v3",)
+    assert not allows("avx512bw") and allows("avx2") and allows("sse4_2")
+    assert not cpu_bf16_features()  # whatever this CPU has
+    assert library_env(emulated_level()) == {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+    }
+    monkeypatch.delenv(ENV)
+    assert kernel_march() == ("-march=native",) and allows("avx512bw")
+    assert library_env(None) == {}
+
+
+def test_the_cli_lists_the_levels_this_cpu_can_emulate() -> None:
+    run = [sys.executable, "-m", "rsgl.cpu_features"]
+    levels = subprocess.run([*run, "--levels"], capture_output=True, text=True, check=True)
+    can = levels.stdout.split()
+    expected = [n for n, lvl in LEVELS.items() if not missing_flags(lvl)]
+    assert can == (expected if platform.machine() == "x86_64" else [])
+    env = subprocess.run([*run, "--env", "scalar"], capture_output=True, text=True, check=True)
+    assert env.stdout.split() == [
+        f"{ENV}=scalar",
+        "ATEN_CPU_CAPABILITY=default",
+        "ONEDNN_MAX_CPU_ISA=SSE41",
+    ]

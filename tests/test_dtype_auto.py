@@ -4,7 +4,6 @@ bad names are refused; the choice and the threads show in get_server_info."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -39,6 +38,7 @@ def test_a_cpu_without_bf16_units_runs_float32_without_calibrating() -> None:
     assert choice.chosen == "float32" and choice.torch_dtype == torch.float32
     assert "no bfloat16 matrix units" in choice.reason
     assert choice.bf16_speedup_decode is None and choice.cpu_bf16_features == ()
+    assert choice.calibration_ms is None
 
 
 def test_bf16_units_and_a_faster_calibration_choose_bfloat16() -> None:
@@ -46,6 +46,7 @@ def test_bf16_units_and_a_faster_calibration_choose_bfloat16() -> None:
     assert choice.chosen == "bfloat16" and choice.torch_dtype == torch.bfloat16
     assert (choice.bf16_speedup_decode, choice.bf16_speedup_prefill) == (3.0, 5.5)
     assert choice.cpu_bf16_features == ("amx_bf16",)
+    assert choice.calibration_ms is not None and choice.calibration_ms >= 0
 
 
 @pytest.mark.parametrize(
@@ -85,10 +86,9 @@ def test_invalid_dtype_names_are_refused_naming_the_field(
         EngineArgs(cpu_threads=0)
 
 
-def test_the_real_calibration_is_quick_and_measures_both_shapes() -> None:
-    start = time.perf_counter()
+def test_the_real_calibration_measures_both_shapes() -> None:
+    # Its cost is in the start-up log and in `dtype_choice.calibration_ms`, not bounded here.
     speedup = measure_bf16_speedup()
-    assert time.perf_counter() - start < 1.0
     assert speedup.decode > 0 and speedup.prefill > 0
 
 
@@ -114,6 +114,7 @@ def test_server_info_reports_a_forced_dtype_and_the_threads_set() -> None:
         "bf16_speedup_decode": None,
         "bf16_speedup_prefill": None,
         "cpu_bf16_features": [],
+        "calibration_ms": None,
     }
 
 
@@ -135,5 +136,6 @@ def test_server_info_reports_the_auto_choice_on_this_cpu() -> None:
     assert choice["cpu_bf16_features"] == sorted(cpu_bf16_features())
     if choice["cpu_bf16_features"]:
         assert choice["bf16_speedup_decode"] > 0 and choice["bf16_speedup_prefill"] > 0
+        assert choice["calibration_ms"] > 0
     else:
-        assert choice["chosen"] == "float32"
+        assert choice["chosen"] == "float32" and choice["calibration_ms"] is None

@@ -16,6 +16,23 @@ __version__ = "0.1.0"
 # the server's processes) and to child processes; an explicit setting wins.
 os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 
+
+def _cap_torch_kernels() -> None:
+    # RSGL_CPU_FEATURES (rsgl.cpu_features) caps torch's own kernels too, where rsgl is
+    # imported before torch: ATen reads its vector width at import, oneDNN its ISA on first
+    # use. A bad level is reported where the features are read, not at import.
+    from rsgl.cpu_features import emulated_level, library_env
+
+    try:
+        level = emulated_level()
+    except ValueError:
+        return
+    for key, value in library_env(level).items():
+        os.environ.setdefault(key, value)
+
+
+_cap_torch_kernels()
+
 if TYPE_CHECKING:
     from rsgl.engine import Engine
 

@@ -1,12 +1,26 @@
-"""What this process's CPU offers the model: bfloat16 matrix units and the cores it may use.
+"""What this process's CPU offers the model: its instruction sets, bfloat16 matrix units and
+the cores it may use. Every CPU-dependent choice (the dtype, oneDNN packing, the C kernels'
+build) and every test whose expectation depends on the CPU reads it here.
+
+`RSGL_CPU_FEATURES=<level>` runs rsgl as if the CPU had at most a level's instruction sets
+(`LEVELS`: scalar, avx2, avx512, avx512_bf16; unset or `native`: all it has), so a developer
+on an AMX machine can run the AVX2 and scalar paths before pushing (`make test-portable`).
+rsgl then reports only the level's flags, builds the C kernels for it, and names the
+matching caps for torch's own kernels (`library_env`: ATen's vector width, oneDNN's ISA),
+which torch reads when it starts.
 
 Torch-free (Linux /proc and /sys, read once at start-up), so tests can hand in a made-up
 /proc/cpuinfo and the server's frontend process can import it cheaply.
+
+    python -m rsgl.cpu_features           # the CPU as rsgl sees it, and the levels it can emulate
 """
 
 from __future__ import annotations
 
 import os
+import platform
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 # /proc/cpuinfo flags of x86 units that multiply bfloat16 at (or beyond) float32's rate:
@@ -15,11 +29,61 @@ BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 CPUINFO = Path("/proc/cpuinfo")
 CPU_SYSFS = Path("/sys/devices/system/cpu")
+ENV = "RSGL_CPU_FEATURES"
 
 
-def cpu_bf16_features(cpuinfo: Path = CPUINFO) -> frozenset[str]:
-    """The `BF16_FLAGS` the CPU reports (empty where /proc/cpuinfo is missing or unreadable:
-    a CPU we cannot see is treated as one without the units)."""
+@dataclass(frozen=True, slots=True)
+class Level:
+    """An x86 feature level rsgl can run at: the flags it keeps, how the C kernels are built
+    for it, and the matching caps of torch's own kernels."""
+
+    name: str
+    flags: tuple[str, ...]
+    march: tuple[str, ...]
+    aten: str  # ATEN_CPU_CAPABILITY: the vector width of torch's elementwise kernels
+    onednn: str  # ONEDNN_MAX_CPU_ISA: the newest instructions oneDNN's GEMMs may use
+
+
+_AVX2 = ("avx", "avx2", "fma", "f16c")
+_AVX512 = (*_AVX2, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
+LEVELS = {
+    level.name: level
+    for level in (
+        Level("scalar", (), ("-march=x86-64", "-mtune=generic"), "default", "SSE41"),
+        Level("avx2", _AVX2, ("-march=x86-64-v3",), "avx2", "AVX2"),
+        Level("avx512", _AVX512, ("-march=x86-64-v4",), "avx512", "AVX512_CORE"),
+        Level(
+            "avx512_bf16",
+            (*_AVX512, "avx512_vnni", "avx512_bf16"),
+            ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"),
+            "avx512",
+            "AVX512_CORE_BF16",
+        ),
+    )
+}
+# The flags a level can take away: every SIMD extension from AVX on (SSE2 is x86-64's floor).
+CAPPED_FLAGS = frozenset(
+    {f for level in LEVELS.values() for f in level.flags}
+    | {"avx512_fp16", "avx512ifma", "avx512vbmi", "avx512vbmi2", "avx512_bitalg"}
+    | {"avx512_vpopcntdq", "avx_vnni", "avx_vnni_int8", "avx512_4fmaps", "avx512_4vnniw"}
+    | {"amx_bf16", "amx_int8", "amx_tile", "amx_fp16", "vaes", "vpclmulqdq", "gfni"}
+)
+
+
+def emulated_level(env: dict[str, str] | os._Environ[str] = os.environ) -> Level | None:
+    """The level `RSGL_CPU_FEATURES` names, or None for the CPU as it is (unset, empty or
+    `native`). ValueError naming the levels for anything else, or off x86-64."""
+    name = env.get(ENV, "").strip().lower()
+    if name in ("", "native"):
+        return None
+    if name not in LEVELS:
+        raise ValueError(f"{ENV}={name!r}: expected native or one of {', '.join(LEVELS)}")
+    if platform.machine() not in ("x86_64", "AMD64"):
+        raise ValueError(f"{ENV}={name}: levels are x86-64's, this is {platform.machine()}")
+    return LEVELS[name]
+
+
+def _read_flags(cpuinfo: Path) -> frozenset[str]:
     try:
         text = cpuinfo.read_text()
     except OSError:
@@ -27,9 +91,56 @@ def cpu_bf16_features(cpuinfo: Path = CPUINFO) -> frozenset[str]:
     flags: set[str] = set()
     for line in text.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() == "flags":
+        if key.strip() in ("flags", "Features"):  # x86, Arm
             flags.update(value.split())
+    return frozenset(flags)
+
+
+def cpu_flags(cpuinfo: Path = CPUINFO, level: Level | None = None) -> frozenset[str]:
+    """The CPU's /proc/cpuinfo flags as rsgl treats them: all of them, or under an emulated
+    `level` (default: `RSGL_CPU_FEATURES`'s) only those of the level among `CAPPED_FLAGS`.
+    Empty where /proc/cpuinfo is missing or unreadable."""
+    flags = _read_flags(cpuinfo)
+    level = emulated_level() if level is None and cpuinfo == CPUINFO else level
+    if level is None:
+        return flags
+    return frozenset(f for f in flags if f not in CAPPED_FLAGS or f in level.flags)
+
+
+def missing_flags(level: Level, cpuinfo: Path = CPUINFO) -> tuple[str, ...]:
+    """The flags of `level` this CPU lacks (it cannot run at that level: empty when it can)."""
+    have = _read_flags(cpuinfo)
+    return tuple(f for f in level.flags if f not in have)
+
+
+def allows(flag: str) -> bool:
+    """False when the emulated level takes `flag` away; True otherwise (whether the CPU has it
+    is then for the caller's own probe, such as torch's, to say)."""
+    level = emulated_level()
+    return level is None or flag not in CAPPED_FLAGS or flag in level.flags
+
+
+def cpu_bf16_features(cpuinfo: Path = CPUINFO) -> frozenset[str]:
+    """The `BF16_FLAGS` the CPU reports (empty where /proc/cpuinfo is missing or unreadable:
+    a CPU we cannot see is treated as one without the units; none under a level without
+    them)."""
+    flags = cpu_flags(cpuinfo)
     return frozenset(f for f in BF16_FLAGS if f in flags)
+
+
+def kernel_march() -> tuple[str, ...]:
+    """The C compiler's target flags for rsgl's CPU kernels: this CPU (`-march=native`), or
+    the emulated level's."""
+    level = emulated_level()
+    return ("-march=native",) if level is None else level.march
+
+
+def library_env(level: Level | None) -> dict[str, str]:
+    """The environment that caps torch's own CPU kernels at `level` (read when torch is
+    imported, and by oneDNN on first use): empty for the CPU as it is."""
+    if level is None:
+        return {}
+    return {"ATEN_CPU_CAPABILITY": level.aten, "ONEDNN_MAX_CPU_ISA": level.onednn}
 
 
 def affinity_cpus() -> frozenset[int]:
@@ -67,10 +178,47 @@ def default_cpu_threads() -> int:
     return physical_cores(affinity_cpus())
 
 
+def main(argv: list[str]) -> int:
+    """`python -m rsgl.cpu_features`: the CPU as rsgl sees it. `--levels`: the levels this CPU
+    can emulate, one per line; `--env LEVEL`: the environment of `make test-portable` for it."""
+    if argv[:1] == ["--levels"]:
+        on_x86 = platform.machine() in ("x86_64", "AMD64")
+        print("\n".join(n for n, lvl in LEVELS.items() if on_x86 and not missing_flags(lvl)))
+        return 0
+    if argv[:1] == ["--env"] and len(argv) == 2:
+        env = {ENV: argv[1], **library_env(emulated_level({ENV: argv[1]}))}
+        print(" ".join(f"{k}={v}" for k, v in env.items()))
+        return 0
+    level = emulated_level()
+    simd = sorted(cpu_flags() & CAPPED_FLAGS)
+    print(f"level: {'native' if level is None else level.name}")
+    print(f"simd flags: {' '.join(simd) or 'none beyond SSE'}")
+    print(f"bf16 units: {' '.join(sorted(cpu_bf16_features())) or 'none'}")
+    print(f"kernels built with: {' '.join(kernel_march())}")
+    for name, lvl in LEVELS.items():
+        missing = missing_flags(lvl)
+        print(f"  {name}: " + ("can emulate" if not missing else f"lacks {' '.join(missing)}"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
+
+
 __all__ = [
     "BF16_FLAGS",
+    "CAPPED_FLAGS",
+    "ENV",
+    "LEVELS",
+    "Level",
     "affinity_cpus",
+    "allows",
     "cpu_bf16_features",
+    "cpu_flags",
     "default_cpu_threads",
+    "emulated_level",
+    "kernel_march",
+    "library_env",
+    "missing_flags",
     "physical_cores",
 ]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import signal
-import time
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -207,7 +207,8 @@ def test_a_killed_follower_fails_requests_naming_its_rank_instead_of_hanging(
         out = pool.submit(engine.generate, "Hello", GREEDY).result(timeout=60)
     reason = out["meta_info"]["finish_reason"]
     assert reason["type"] == "abort" and "rank 1" in reason["message"], reason
-    start = time.monotonic()
-    engine.shutdown()
-    assert time.monotonic() - start < 30
+    stopping = threading.Thread(target=engine.shutdown, daemon=True)
+    stopping.start()
+    stopping.join(timeout=120)
+    assert not stopping.is_alive(), "shutdown hangs on the dead follower"
     assert not alive(pid)

@@ -298,8 +298,8 @@ def test_a_bfloat16_kv_cache_serves_the_same_batch(baseline: list[list[int]]) ->
 
 def test_kv_cache_dtype_is_validated_and_sizes_the_pool() -> None:
     from rsgl.args import EngineArgs
-    from rsgl.engine import _pool_tokens
     from rsgl.models.loader import load_model
+    from rsgl.stack import _pool_tokens
 
     with pytest.raises(ValueError, match="kv_cache_dtype 'fp8'"):
         EngineArgs(kv_cache_dtype="fp8")

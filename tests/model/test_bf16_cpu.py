@@ -251,7 +251,7 @@ def test_bf16_model_tracks_float32(
 def test_bf16_decode_step_converts_no_weights(bf16_runner: ModelRunner) -> None:
     model = bf16_runner.model
     if not can_pack(torch.empty(1, dtype=BF16)):
-        pytest.skip("this torch build or CPU has no oneDNN bfloat16")
+        pytest.skip("no oneDNN bfloat16 kernels: this torch build or CPU lacks them (AVX-512)")
     projections = [
         m for layer in model.layers for m in (*layer.self_attn.children(), *layer.mlp.children())
     ]

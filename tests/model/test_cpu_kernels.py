@@ -14,6 +14,7 @@ from plan_builder import Driver
 
 import rsgl.layers.norm
 import rsgl.models.llama
+from rsgl.cpu_features import cpu_flags
 from rsgl.layers.attention.torch_native import TorchNativeAttnBackend
 from rsgl.layers.cpu_kernels import CSRC, CpuKernels, compile_kernels, load_cpu_kernels
 from rsgl.layers.rotary import apply_rotary
@@ -243,3 +244,12 @@ def test_a_compile_error_names_the_real_file_and_line(tmp_path: Path):
     assert errors is not None and f"elementwise.c:{broken}:" in errors
     assert compile_kernels(CSRC, tmp_path / "ok.so", compiler) is None
     assert (tmp_path / "ok.so").is_file()
+
+
+def test_the_kernels_are_built_for_the_features_rsgl_reports(kernels: CpuKernels) -> None:
+    # The paths that run follow `rsgl.cpu_features` (RSGL_CPU_FEATURES' level included):
+    # AVX-512 code only where the CPU is treated as having it, SSE2 loops where not even AVX.
+    flags = cpu_flags()
+    for feature in ("avx512f", "avx512_bf16", "avx2", "fma", "f16c"):
+        assert (feature in kernels.isa) == (feature in flags), (feature, kernels.isa)
+    assert ("sse2" in kernels.isa) == ("avx" not in flags)

@@ -183,6 +183,25 @@ def test_non_finite_numbers_are_refused(server: str) -> None:
         assert openai_error(r, 400)["param"] == field
 
 
+def refused_before_the_body(server: str, path: str, declared: int) -> bytes:
+    """Sends `path` a request declaring a body of `declared` bytes, and only its first 100;
+    returns the response's status line and headers."""
+    host, port = server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {declared}\r\n\r\n"
+        )
+        sock.sendall(head.encode() + b"x" * 100)
+        received = b""
+        while b"\r\n\r\n" not in received:
+            chunk = sock.recv(65536)  # socket.timeout here: the server waited for the body
+            if not chunk:
+                break
+            received += chunk
+    return received.partition(b"\r\n\r\n")[0]
+
+
 def test_malformed_bodies_and_unknown_routes_get_openai_errors(server: str) -> None:
     url = f"{server}{COMPLETIONS}"
     json_type = {"content-type": "application/json"}
@@ -195,11 +214,13 @@ def test_malformed_bodies_and_unknown_routes_get_openai_errors(server: str) -> N
     unknown_model = json.dumps(dict(OK_COMPLETION, model="\ud800"))
     openai_error(httpx.post(url, content=unknown_model, headers=json_type), 404)
     openai_error(httpx.get(url), 405)
-    started = time.perf_counter()
     big = {"model": MODEL, "prompt": "x" * 300_000}
     err = openai_error(httpx.post(url, json=big, timeout=30), 413)
     assert "--max-request-bytes" in err["message"]
-    assert time.perf_counter() - started < 5
+    # A declared length over the limit is refused from the headers alone: the answer comes
+    # while most of the body has not been sent (a server that read on would wait forever).
+    head = refused_before_the_body(server, COMPLETIONS, declared=300_000)
+    assert head.startswith(b"HTTP/1.1 413"), head
 
     def chunked() -> Iterator[bytes]:
         # No Content-Length: the limit must hold while the body streams in.
@@ -400,7 +421,7 @@ def test_a_drain_past_its_timeout_aborts_the_stream_and_exits_0(tmp_path: Path) 
             "stream": True,
         }
 
-        async def scenario() -> tuple[list[str], float]:
+        async def scenario() -> list[str]:
             async with httpx.AsyncClient(base_url=url, timeout=120) as c:
                 lines: list[str] = []
                 async with c.stream("POST", "/generate", json=body) as r:
@@ -408,21 +429,19 @@ def test_a_drain_past_its_timeout_aborts_the_stream_and_exits_0(tmp_path: Path) 
                     while not (line := await anext(it)).startswith("data: {"):
                         pass
                     lines.append(line)
-                    signalled = time.monotonic()
                     proc.send_signal(signal.SIGTERM)
                     async for line in it:
                         if line:
                             lines.append(line)
-                return lines, time.monotonic() - signalled
+                return lines
 
-        lines, took = asyncio.run(scenario())
+        lines = asyncio.run(scenario())
         assert lines[-1] == "data: [DONE]"
         events = [json.loads(x[6:]) for x in lines[:-1]]
         err = events[-1]["error"]
         assert err["code"] == 503 and "shutting down" in err["message"], err
         generated = events[-2]["meta_info"]["completion_tokens"]
         assert 0 < generated < 6000 and events[-2]["meta_info"]["finish_reason"] is None
-        assert 1 <= took < 30  # cut off at the drain timeout, not at the end of the request
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:

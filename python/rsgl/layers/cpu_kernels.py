@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from rsgl.cache_dir import rsgl_cache_dir
+from rsgl.cpu_features import kernel_march
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +57,16 @@ _KV_SUFFIXES: dict[torch.dtype, str] = {
 }
 
 
-# Compile flags. -ffast-math is for compiling only: a shared library *linked* with it gets
-# crtfastmath, which turns on flush-to-zero for the whole process, torch included.
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC"]
+# Compile flags (the target's come from `kernel_march`: this CPU, or the level that
+# RSGL_CPU_FEATURES emulates). -ffast-math is for compiling only: a shared library *linked*
+# with it gets crtfastmath, which turns on flush-to-zero for the whole process, torch
+# included.
+_FLAGS = ["-O3", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC"]
 _LINK_FLAGS = ["-shared", "-fopenmp"]
+
+
+def _compile_flags() -> list[str]:
+    return [*_FLAGS, *kernel_march()]
 
 
 def _check(*tensors: torch.Tensor) -> torch.dtype:
@@ -137,6 +144,10 @@ class CpuKernels:
             rotary = getattr(lib, f"rsgl_rotary_{suffix}")
             rotary.argtypes = [ptr, ptr, i64, i64, i64, i64, i32]
             self._add_rmsnorm[act], self._silu_mul[act], self._rotary[act] = norm, silu, rotary
+        isa = lib.rsgl_kernel_isa
+        isa.argtypes, isa.restype = [], ctypes.c_char_p
+        # The instruction sets the kernels were compiled for (which of their paths run).
+        self.isa: tuple[str, ...] = tuple(isa().decode().split())
         for fn in (
             *self._decode.values(),
             *self._decode_layer.values(),
@@ -326,7 +337,7 @@ def compile_kernels(src_dir: Path, library: Path, compiler: str) -> str | None:
         objects = [Path(tmp) / f"{Path(name).stem}.o" for name in _SOURCES]
         tmp_lib = Path(tmp) / library.name
         commands = [
-            [compiler, *_FLAGS, "-c", str(src_dir / name), "-o", str(obj)]
+            [compiler, *_compile_flags(), "-c", str(src_dir / name), "-o", str(obj)]
             for name, obj in zip(_SOURCES, objects, strict=True)
         ]
         commands.append([compiler, *_LINK_FLAGS, *map(str, objects), "-o", str(tmp_lib)])
@@ -358,7 +369,7 @@ def load_cpu_kernels() -> CpuKernels | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
-    flags = " ".join(_FLAGS + _LINK_FLAGS)
+    flags = " ".join(_compile_flags() + _LINK_FLAGS)
     key = hashlib.sha256((_sources_digest() + flags + _cpu_fingerprint()).encode()).hexdigest()
     out_dir = rsgl_cache_dir() / "kernels"
     library = out_dir / f"cpu_kernels-{key[:16]}.so"

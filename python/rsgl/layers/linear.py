@@ -17,19 +17,26 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rsgl.cpu_features import allows
+
 # Weight dtypes oneDNN's packed linear takes.
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
     """Whether `weight` can be packed: float32 or bfloat16 on CPU, with a torch build that
-    has oneDNN (bfloat16 also needs a CPU oneDNN has bfloat16 kernels for)."""
+    has oneDNN (bfloat16 also needs a CPU oneDNN has bfloat16 kernels for: AVX-512 at least,
+    which an emulated lower level (`rsgl.cpu_features`) takes away)."""
     return (
         weight.device.type == "cpu"
         and weight.dtype in PACKED_DTYPES
         and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
-        and (weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        and (weight.dtype != torch.bfloat16 or _onednn_bf16())
     )
+
+
+def _onednn_bf16() -> bool:
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and allows("avx512bw")
 
 
 class PackedLinear(nn.Module):

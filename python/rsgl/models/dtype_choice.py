@@ -59,6 +59,8 @@ class DtypeChoice:
     bf16_speedup_decode: float | None = None
     bf16_speedup_prefill: float | None = None
     cpu_bf16_features: tuple[str, ...] = ()
+    # What the calibration cost at start-up (None where none ran).
+    calibration_ms: float | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -84,11 +86,12 @@ def choose_dtype(
     check_dtype(requested)
     choice = _choose(requested, device, features, calibrate or measure_bf16_speedup)
     logger.info(
-        "dtype %s (%s; bf16 speedup decode %s, prefill %s; CPU bf16 units: %s)",
+        "dtype %s (%s; bf16 speedup decode %s, prefill %s, calibrated in %s; CPU bf16 units: %s)",
         choice.chosen,
         choice.reason,
         _ratio(choice.bf16_speedup_decode),
         _ratio(choice.bf16_speedup_prefill),
+        "-" if choice.calibration_ms is None else f"{choice.calibration_ms:.0f} ms",
         ", ".join(choice.cpu_bf16_features) or "none",
     )
     return choice
@@ -111,7 +114,9 @@ def _choose(
         return DtypeChoice(
             "float32", "the CPU has no bfloat16 matrix units (amx_bf16, avx512_bf16)"
         )
+    start = time.perf_counter()
     speedup = calibrate()
+    calibration_ms = (time.perf_counter() - start) * 1e3
     faster = min(speedup.decode, speedup.prefill) >= MIN_BF16_SPEEDUP
     reason = (
         f"calibration: bfloat16 projections at least {MIN_BF16_SPEEDUP}x float32's"
@@ -124,6 +129,7 @@ def _choose(
         bf16_speedup_decode=round(speedup.decode, 3),
         bf16_speedup_prefill=round(speedup.prefill, 3),
         cpu_bf16_features=found,
+        calibration_ms=round(calibration_ms, 1),
     )
 
 

@@ -16,12 +16,12 @@ from typing import Any
 import zmq
 
 from rsgl.args import EngineArgs
-from rsgl.engine import build_stack
 from rsgl.gc_tuning import freeze_startup_objects
 from rsgl.outputs import TokenUpdate
 from rsgl.sampling_params import SamplingParams
 from rsgl.scheduler.loop import SchedulerLoop
 from rsgl.server import ipc
+from rsgl.stack import build_stack
 
 logger = logging.getLogger("rsgl.scheduler")
 

@@ -1,0 +1,318 @@
+"""A model stack: tokenizer, scheduling core and model runner, loaded and sized from the
+engine arguments (`build_stack`).
+
+Both callers of a scheduling loop assemble their stack here: `rsgl.Engine` in-process and the
+server's scheduler process (`rsgl.server.scheduler_process`). It sits below both, so imports
+only run downward (`tests/test_layering.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rsgl._core import Scheduler
+from rsgl.args import EngineArgs
+from rsgl.cpu_features import default_cpu_threads
+from rsgl.model_executor.executor import on_compute_thread, run_on_compute_thread
+from rsgl.model_executor.kv_cache import KVCache, resolve_kv_cache_dtype
+from rsgl.model_executor.model_runner import ModelRunner
+from rsgl.model_executor.null_runner import NullRunner
+from rsgl.models.config import ModelConfig
+from rsgl.models.dtype_choice import DtypeChoice, choose_dtype
+from rsgl.tokenizer.loader import load_tokenizer
+
+if TYPE_CHECKING:
+    from rsgl.distributed.sharding import TPShard
+
+logger = logging.getLogger(__name__)
+
+
+# Share of physical memory the KV pool may take when neither max_total_tokens nor
+# mem_fraction is given (CPU: the "device" memory is the machine's).
+DEFAULT_MEM_FRACTION = 0.15
+# Default pool cap, so a big machine does not pin tens of GB for a 135M model.
+DEFAULT_MAX_TOTAL_TOKENS = 1 << 18
+# On CUDA: the share of GPU memory for weights + KV pool (SGLang's mem_fraction_static).
+DEFAULT_CUDA_MEM_FRACTION = 0.85
+
+
+@dataclass(slots=True)
+class ModelStack:
+    """Everything a scheduling loop needs: tokenizer, core and runner, sized from the args."""
+
+    tokenizer: Any
+    core: Scheduler
+    runner: ModelRunner | NullRunner
+    config: ModelConfig
+    model_dir: Path
+    context_length: int
+    max_total_tokens: int
+    kv_cache_dtype: str
+    dtype_choice: DtypeChoice
+    cpu_threads: int
+    # Every tensor-parallel rank's slice of the model; empty with tp_size 1.
+    tp_shards: tuple[TPShard, ...] = ()
+
+    def info(self) -> dict[str, Any]:
+        """How the model runs, for get_server_info: its dtype and why, the threads, and the
+        tensor-parallel ranks' slices (query / KV heads, intermediate units, vocabulary)."""
+        return {
+            "dtype": self.dtype_choice.chosen,
+            "dtype_choice": self.dtype_choice.to_dict(),
+            "cpu_threads": self.cpu_threads,
+            "tp_size": max(1, len(self.tp_shards)),
+            "tp_shards": [shard.to_dict() for shard in self.tp_shards],
+        }
+
+
+def build_stack(args: EngineArgs) -> ModelStack:
+    """Loads the model and tokenizer and sizes the KV pool and the core from `args`.
+
+    Sets torch's intra-op threads for this process first (`--cpu-threads`: the Engine's
+    process, or the server's scheduler process), so the dtype calibration and the model
+    run with the threads they will be served with. On CPU it all runs on the process's
+    compute thread, where the steps will run (`run_on_compute_thread` says why). With
+    tp_size > 1 this process becomes tensor-parallel rank 0 (`_tp_stack`); the ranks of a
+    node share its cores, and each defaults to its share of them.
+    """
+    if torch.device(args.device).type == "cpu" and not on_compute_thread():
+        return run_on_compute_thread(lambda: build_stack(args))
+    from rsgl.models.loader import load_model
+
+    torch.manual_seed(args.seed)
+    cpu_threads = args.cpu_threads or default_cpu_threads()
+    if args.tp_size > 1 and not args.cpu_threads:
+        cpu_threads = max(1, cpu_threads // (args.tp_size // args.nnodes))
+    torch.set_num_threads(cpu_threads)
+    logger.info("torch intra-op threads: %d", cpu_threads)
+    if args.load_format == "null":
+        return _null_stack(args, cpu_threads)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"device {args.device!r} was asked for, but torch sees no CUDA device "
+            f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})"
+        )
+    choice = choose_dtype(args.dtype, device)
+    if args.tp_size > 1:
+        return _tp_stack(args, device, choice, cpu_threads)
+    loaded = load_model(
+        args.model_path,
+        device=device,
+        dtype=choice.torch_dtype,
+        max_positions=args.context_length,
+        load_format=args.load_format,
+        seed=args.seed,
+    )
+    context_length = args.context_length or loaded.config.max_position_embeddings
+    tokenizer = load_tokenizer(args.tokenizer_path or loaded.model_dir)
+    max_total_tokens = args.max_total_tokens or _pool_tokens(args, loaded.config, loaded.dtype)
+    core = _core(args, max_total_tokens, context_length, loaded.config)
+    runner = ModelRunner(
+        loaded,
+        kv_buffer_size=core.kv_buffer_size,
+        max_running_requests=args.max_running_requests,
+        context_len=context_length,
+        attention_backend=args.attention_backend,
+        kv_cache_dtype=args.kv_cache_dtype,
+        seed=args.seed,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
+        disable_cuda_graph=args.disable_cuda_graph,
+    )
+    kv_name = str(runner.kv_cache.dtype).removeprefix("torch.")
+    return ModelStack(
+        tokenizer,
+        core,
+        runner,
+        loaded.config,
+        loaded.model_dir,
+        context_length,
+        max_total_tokens,
+        kv_name,
+        choice,
+        cpu_threads,
+    )
+
+
+def _tp_stack(
+    args: EngineArgs, device: torch.device, choice: DtypeChoice, cpu_threads: int
+) -> ModelStack:
+    """Rank 0 of a tensor-parallel group: starts the followers, loads rank 0's shard, sizes
+    the core, and returns a stack whose runner sends every step to the followers
+    (`TPRunner`, whose `close` stops them). See `rsgl.model_executor.tp_launch`."""
+    from rsgl.distributed.group import TPRank
+    from rsgl.model_executor.tp_launch import (
+        LoadSpec,
+        RunnerSpec,
+        check_tensor_parallel,
+        start_followers,
+        start_runner,
+    )
+    from rsgl.models.loader import load_model, resolve_model_dir
+
+    model_dir = resolve_model_dir(args.model_path)
+    config = ModelConfig.from_model_dir(model_dir)
+    shards = check_tensor_parallel(args, config)
+    load = LoadSpec(
+        args.model_path,
+        choice.chosen,
+        args.load_format,
+        args.seed,
+        args.context_length,
+        cpu_threads,
+    )
+    followers = start_followers(args, device, load)
+    try:
+        loaded = load_model(
+            args.model_path,
+            device=device,
+            dtype=choice.torch_dtype,
+            max_positions=args.context_length,
+            load_format=args.load_format,
+            seed=args.seed,
+            tp=TPRank(shards[0], followers.group),
+        )
+        context_length = args.context_length or config.max_position_embeddings
+        tokenizer = load_tokenizer(args.tokenizer_path or model_dir)
+        max_total_tokens = args.max_total_tokens or _pool_tokens(args, config, loaded.dtype, shards)
+        core = _core(args, max_total_tokens, context_length, config)
+        spec = RunnerSpec(
+            kv_buffer_size=core.kv_buffer_size,
+            max_running_requests=args.max_running_requests,
+            context_len=context_length,
+            attention_backend=args.attention_backend,
+            kv_cache_dtype=args.kv_cache_dtype,
+            endpoints={},
+        )
+        runner = start_runner(
+            followers,
+            loaded,
+            spec,
+            kv_buffer_size=spec.kv_buffer_size,
+            max_running_requests=spec.max_running_requests,
+            context_len=spec.context_len,
+            attention_backend=spec.attention_backend,
+            kv_cache_dtype=spec.kv_cache_dtype,
+            seed=args.seed,
+            cuda_graph_max_bs=args.cuda_graph_max_bs,
+            disable_cuda_graph=args.disable_cuda_graph,
+        )
+    except BaseException:
+        followers.close(kill=True)
+        raise
+    kv_name = str(runner.kv_cache.dtype).removeprefix("torch.")
+    return ModelStack(
+        tokenizer,
+        core,
+        runner,
+        config,
+        model_dir,
+        context_length,
+        max_total_tokens,
+        kv_name,
+        choice,
+        cpu_threads,
+        tuple(shards),
+    )
+
+
+def _null_stack(args: EngineArgs, cpu_threads: int) -> ModelStack:
+    """The null executor over the model's config and tokenizer: no weights, no KV memory."""
+    from rsgl.models.loader import resolve_model_dir
+
+    # No forward runs, so there is nothing to calibrate: auto stays float32 (the pool is
+    # sized, never allocated, in the dtype named here).
+    if args.dtype == "auto":
+        choice = DtypeChoice("float32", "load format null runs no model")
+    else:
+        choice = DtypeChoice(args.dtype, "forced by --dtype", args.dtype)
+    model_dir = resolve_model_dir(args.model_path)
+    config = ModelConfig.from_model_dir(model_dir)
+    context_length = args.context_length or config.max_position_embeddings
+    tokenizer = load_tokenizer(args.tokenizer_path or model_dir)
+    max_total_tokens = args.max_total_tokens or _pool_tokens(args, config, choice.torch_dtype)
+    core = _core(args, max_total_tokens, context_length, config)
+    runner = NullRunner(
+        config,
+        max_running_requests=args.max_running_requests,
+        step_ms=args.null_step_ms,
+        seed=args.seed,
+    )
+    return ModelStack(
+        tokenizer,
+        core,
+        runner,
+        config,
+        model_dir,
+        context_length,
+        max_total_tokens,
+        "none",
+        choice,
+        cpu_threads,
+    )
+
+
+def _core(
+    args: EngineArgs, max_total_tokens: int, context_length: int, config: ModelConfig
+) -> Scheduler:
+    return Scheduler(
+        max_total_tokens,
+        page_size=args.page_size,
+        max_running_requests=args.max_running_requests,
+        context_len=context_length,
+        max_prefill_tokens=args.max_prefill_tokens,
+        chunked_prefill_size=args.chunked_prefill_size,
+        schedule_policy=args.schedule_policy,
+        schedule_conservativeness=args.schedule_conservativeness,
+        disable_radix_cache=args.disable_radix_cache,
+        enable_mixed_chunk=args.enable_mixed_chunk,
+        eos_token_ids=list(config.eos_token_ids),
+        seed=args.seed,
+    )
+
+
+def _pool_tokens(
+    args: EngineArgs,
+    config: ModelConfig,
+    model_dtype: torch.dtype,
+    shards: Sequence[TPShard] = (),
+) -> int:
+    """KV pool size in tokens.
+
+    CPU: `mem_fraction` of the machine's memory (a default share, capped). CUDA, as SGLang's
+    `--mem-fraction-static`: weights and KV pool together take that share of the GPU, so
+    the pool gets it minus what is in use once the weights are loaded; the rest is left to
+    activations, the sampler and CUDA graphs.
+
+    Tensor-parallel ranks hold every slot, each for its own KV heads: on CUDA a slot costs
+    a device what the rank with the most heads stores; on CPU the node's ranks share one
+    memory, so it costs their heads together (replicated heads count on every rank).
+    """
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, model_dtype)
+    per_token = KVCache.bytes_per_slot(config, kv_dtype)
+    device = torch.device(args.device)
+    if shards:
+        per_rank = [KVCache.bytes_per_slot(config, kv_dtype, s.num_kv_heads) for s in shards]
+        on_node = per_rank[: args.tp_size // args.nnodes]
+        per_token = max(per_rank) if device.type == "cuda" else sum(on_node)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = total * (args.mem_fraction or DEFAULT_CUDA_MEM_FRACTION) - (total - free)
+        if budget < 4 * args.page_size * per_token:
+            raise RuntimeError(
+                f"no GPU memory left for the KV pool: {(total - free) / 2**30:.1f} GiB of "
+                f"{total / 2**30:.1f} GiB are in use after loading the weights; raise "
+                "--mem-fraction-static or use a smaller model"
+            )
+        return int(budget // per_token)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    tokens = int(total * (args.mem_fraction or DEFAULT_MEM_FRACTION) / per_token)
+    cap = DEFAULT_MAX_TOTAL_TOKENS if args.mem_fraction is None else tokens
+    return max(4 * args.page_size, min(tokens, cap))
