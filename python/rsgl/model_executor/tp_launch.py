@@ -18,7 +18,8 @@ the NCCL group on CUDA needs no second, gloo, group.
 
 Rank 0 stops the followers with a stop message (`Followers.close`, which `TPRunner.close`,
 `Engine.shutdown` and, through atexit, the scheduler process's exit all reach); a follower
-whose connection to rank 0 drops exits on its own, so a killed rank 0 leaves no orphans.
+whose connection to rank 0 drops exits on its own, and one whose parent dies, at any moment
+of its start-up too, dies with it (`rsgl.parent_death`), so a killed rank 0 leaves no orphans.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from rsgl.model_executor.model_runner import ModelRunner
 from rsgl.model_executor.tp_worker import STOP, RankZeroLost, TPGroupBroken, TPRunner, follow_steps
 from rsgl.models.config import ModelConfig
 from rsgl.models.loader import LoadedModel, load_model, resolve_model_dir
+from rsgl.parent_death import ParentLink
 
 if TYPE_CHECKING:
     from rsgl.args import EngineArgs
@@ -143,13 +145,17 @@ def _timeout(seconds: float) -> datetime.timedelta:
 
 
 def spawn_follower(launch: FollowerLaunch) -> subprocess.Popen[bytes]:
-    """A follower process for `launch.rank` (a fresh interpreter: it imports torch anew)."""
+    """A follower process for `launch.rank` (a fresh interpreter: it imports torch anew,
+    once it is bound to die with this process and the calling thread, see `ParentLink`)."""
     code = (
-        "import sys; from rsgl.model_executor.tp_launch import follower_main; "
-        "sys.exit(follower_main(sys.argv[1:]))"
+        "import sys; from rsgl.parent_death import ParentLink, die_with_parent; "
+        "die_with_parent(ParentLink.decode(sys.argv[1])); "
+        "from rsgl.model_executor.tp_launch import follower_main; "
+        "sys.exit(follower_main(sys.argv[2:]))"
     )
     payload = msgspec.json.encode(launch).decode()
-    return subprocess.Popen([sys.executable, "-c", code, payload])
+    link = ParentLink.here().encode()
+    return subprocess.Popen([sys.executable, "-c", code, link, payload])
 
 
 def _first_dead(procs: dict[int, subprocess.Popen[bytes]]) -> str | None:

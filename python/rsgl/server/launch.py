@@ -3,10 +3,11 @@
 Start-up is ordered: the frontend binds its ZeroMQ sockets, spawns one scheduler process per
 data-parallel rank (`--dp-size`, default 1) and waits for every `Ready` (model loaded, pool
 sized) before it accepts connections. SIGINT or SIGTERM aborts in-flight requests, then
-stops uvicorn and the schedulers. A watchdog watches every scheduler process: when one
-dies, it logs the rank and its exit code, that rank's requests fail and the others keep
-serving; when none is left, it takes the server down (exit code 1) instead of leaving it
-hanging.
+stops uvicorn and the schedulers; during start-up, it stops the schedulers and exits at once.
+However this process ends (SIGKILL included), its schedulers die with it
+(`rsgl.parent_death`). A watchdog watches every scheduler process: when one dies, it logs
+the rank and its exit code, that rank's requests fail and the others keep serving; when
+none is left, it takes the server down (exit code 1) instead of leaving it hanging.
 """
 
 from __future__ import annotations
@@ -56,8 +57,11 @@ def server_args(ns: argparse.Namespace) -> ServerArgs:
 class _Server(uvicorn.Server):
     """uvicorn with a graceful drain: the first SIGTERM refuses new requests (503) and lets
     in-flight ones finish for up to `drain_timeout_s`, then aborts the rest and exits 0. A
-    second SIGTERM, or SIGINT, aborts in-flight requests at once."""
+    second SIGTERM, or SIGINT, aborts in-flight requests at once. Before the server is
+    ready, either signal stops the scheduler processes and the server at once."""
 
+    # The scheduler processes, from before they start; the frontend, once they are ready.
+    ranks: SchedulerRanks | None = None
     frontend: Frontend | None = None
     loop: asyncio.AbstractEventLoop | None = None
     drain_timeout_s: float = 30.0
@@ -66,6 +70,8 @@ class _Server(uvicorn.Server):
     _draining = False
 
     def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.frontend is None:
+            self._exit_while_starting(sig)
         if sig == signal.SIGTERM and not self._draining and self.loop and self.frontend:
             self._draining = True
             logger.info("SIGTERM: draining in-flight requests, then shutting down")
@@ -74,6 +80,18 @@ class _Server(uvicorn.Server):
         if self.frontend is not None:
             self.frontend.abort_all("the server is shutting down")
         super().handle_exit(sig, frame)
+
+    def _exit_while_starting(self, sig: int) -> None:
+        """No request to drain, and uvicorn would act on the signal only once every rank is
+        ready (minutes, for a large model): a supervisor's SIGKILL would come first. Dies of
+        the signal now, as uvicorn would have after its shutdown."""
+        logger.info(
+            "%s during start-up: stopping the scheduler processes", signal.Signals(sig).name
+        )
+        if self.ranks is not None:
+            self.ranks.abandon()
+        signal.signal(sig, signal.SIG_DFL)
+        signal.raise_signal(sig)
 
     async def _drain_then_exit(self) -> None:
         assert self.frontend is not None
@@ -98,6 +116,8 @@ def make_app(ns: argparse.Namespace, server: _Server | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         ranks = SchedulerRanks(args)
+        if server is not None:
+            server.ranks = ranks
         tasks: list[asyncio.Future[Any]] = []
         frontend: Frontend | None = None
         try:

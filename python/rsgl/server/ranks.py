@@ -4,7 +4,8 @@
 PULL event socket every rank sends to), spawns the processes, waits for each one's `Ready`,
 watches them while they serve, and stops them. The server's lifespan and
 `rsgl.Engine(dp_size > 1)` both use it, so both start, watch and stop ranks the same way.
-Nothing here imports torch: the processes load it themselves.
+Nothing here imports torch: the processes load it themselves, after `die_with_parent`, so
+that a rank never outlives the process that started it, whatever the moment that dies.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
@@ -26,6 +28,7 @@ import zmq.asyncio
 
 from rsgl.args import EngineArgs
 from rsgl.cpu_features import default_cpu_threads
+from rsgl.parent_death import ParentLink, die_with_parent
 from rsgl.server import ipc
 from rsgl.server.frontend import Frontend
 
@@ -76,34 +79,37 @@ class SchedulerRanks:
         self.dp_size = args.dp_size
         self.ipc_dir = tempfile.mkdtemp(prefix="rsgl-ipc-")
         self.ctx = zmq.asyncio.Context()
-        event_addr = f"ipc://{self.ipc_dir}/events"
+        self.event_addr = f"ipc://{self.ipc_dir}/events"
         self.events = self.ctx.socket(zmq.PULL)
-        self.events.bind(event_addr)
+        self.events.bind(self.event_addr)
+        self.command_addrs = [f"ipc://{self.ipc_dir}/commands-{r}" for r in range(self.dp_size)]
         self.commands: list[zmq.asyncio.Socket] = []
-        self.procs: list[BaseProcess] = []
-        spawn = mp.get_context("spawn")
-        for rank in range(self.dp_size):
-            command_addr = f"ipc://{self.ipc_dir}/commands-{rank}"
+        for addr in self.command_addrs:
             socket = self.ctx.socket(zmq.PUSH)
-            socket.bind(command_addr)
+            socket.bind(addr)
             self.commands.append(socket)
-            # Not a daemon: a rank may start tensor-parallel workers of its own, which a
-            # daemon may not. It exits when this process goes away (it watches its parent),
-            # and `stop` (or, at the latest, interpreter exit) ends it here.
-            self.procs.append(
-                spawn.Process(
-                    target=_scheduler_main,
-                    args=(rank_args(args, rank), command_addr, event_addr, rank),
-                    name=f"rsgl-scheduler-{rank}" if self.dp_size > 1 else "rsgl-scheduler",
-                )
-            )
+        # The started processes, by rank.
+        self.procs: list[BaseProcess] = []
+        self._ready: set[int] = set()
         self._reported: set[int] = set()
         self._stopped = False
         atexit.register(self._kill_leftovers)
 
     def start(self) -> None:
-        for rank, proc in enumerate(self.procs):
+        """Spawns the processes. They die with this process, and with the calling thread
+        when it is the main thread (`ParentLink`)."""
+        link = ParentLink.here()
+        spawn = mp.get_context("spawn")
+        for rank, command_addr in enumerate(self.command_addrs):
+            # Not a daemon: a rank may start tensor-parallel workers of its own, which a
+            # daemon may not. `stop` (or, at the latest, interpreter exit) ends it here.
+            proc = spawn.Process(
+                target=_scheduler_main,
+                args=(link, rank_args(self.args, rank), command_addr, self.event_addr, rank),
+                name=f"rsgl-scheduler-{rank}" if self.dp_size > 1 else "rsgl-scheduler",
+            )
             proc.start()
+            self.procs.append(proc)
             who = f"data-parallel rank {rank}: " if self.dp_size > 1 else ""
             logger.info("%sscheduler process %d started; loading the model", who, proc.pid)
 
@@ -132,6 +138,7 @@ class SchedulerRanks:
                 event = ipc.event_decoder.decode(await self.events.recv())
                 if isinstance(event, ipc.Ready):
                     infos[event.dp_rank] = event.info
+                    self._ready.add(event.dp_rank)
                     if len(infos) == self.dp_size:
                         return [infos[r] for r in range(self.dp_size)]
         missing = sorted(set(range(self.dp_size)) - set(infos))
@@ -166,20 +173,21 @@ class SchedulerRanks:
                 return
 
     async def stop(self) -> None:
-        """Asks every live rank to shut down and waits for them (terminating stragglers)."""
+        """Asks every live rank to shut down and waits for them (terminating stragglers).
+        A rank still starting reads no command before its `Ready`: it is terminated."""
         if self._stopped:
             return
         self._stopped = True
-        for socket, proc in zip(self.commands, self.procs, strict=True):
-            if proc.is_alive():
-                await socket.send(ipc.encoder.encode(ipc.Shutdown()))
+        for rank, proc in enumerate(self.procs):
+            if not proc.is_alive():
+                continue
+            if rank in self._ready:
+                await self.commands[rank].send(ipc.encoder.encode(ipc.Shutdown()))
+            else:
+                proc.terminate()
         loop = asyncio.get_running_loop()
         await asyncio.gather(
-            *(
-                loop.run_in_executor(None, p.join, SHUTDOWN_TIMEOUT_S)
-                for p in self.procs
-                if p.pid is not None
-            )
+            *(loop.run_in_executor(None, p.join, SHUTDOWN_TIMEOUT_S) for p in self.procs)
         )
         self._kill_leftovers()
         atexit.unregister(self._kill_leftovers)
@@ -197,23 +205,33 @@ class SchedulerRanks:
         with contextlib.suppress(OSError):
             os.rmdir(self.ipc_dir)
 
+    def abandon(self) -> None:
+        """Terminates every rank without waiting for it and removes the socket directory:
+        for a process about to die of a signal, which can neither wait in its handler nor
+        close sockets its event loop is polling."""
+        for proc in self.procs:
+            proc.terminate()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
     def _kill_leftovers(self) -> None:
         """Terminates (then kills) the ranks still running; reaps them all."""
         for proc in self.procs:
-            if proc.pid is not None and proc.is_alive():
+            if proc.is_alive():
                 proc.terminate()
         for proc in self.procs:
-            if proc.pid is None:
-                continue
             proc.join(5)
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
 
 
-def _scheduler_main(args: EngineArgs, command_addr: str, event_addr: str, dp_rank: int) -> None:
+def _scheduler_main(
+    link: ParentLink, args: EngineArgs, command_addr: str, event_addr: str, dp_rank: int
+) -> None:
     """A scheduler process's entry point. Its module (torch, the model) is imported here,
-    in the child: the frontend process never loads torch."""
+    in the child (the frontend process never loads torch), once the child is bound to die
+    with its parent."""
+    die_with_parent(link)
     from rsgl.server.scheduler_process import run_scheduler_process
 
     run_scheduler_process(args, command_addr, event_addr, dp_rank)

@@ -1,0 +1,94 @@
+"""A child bound with `die_with_parent` does not outlive its parent: killed with it through
+the parent-death signal (started from the parent's main thread) or the parent watch (from
+another thread), and gone at once when its parent died before it got there."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rsgl.parent_death import ParentLink
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+GONE_TIMEOUT_S = 30.0
+
+# The parent: starts a child bound to it (from its main thread, or from a thread that then
+# ends), prints the child's pid, and sleeps until killed.
+PARENT = """
+import subprocess, sys, threading, time
+from rsgl.parent_death import ParentLink
+
+CHILD = (
+    "import sys, time; from rsgl.parent_death import ParentLink, die_with_parent; "
+    "die_with_parent(ParentLink.decode(sys.argv[1])); time.sleep(600)"
+)
+
+def start():
+    link = ParentLink.here().encode()
+    child = subprocess.Popen([sys.executable, "-c", CHILD, link])
+    print(child.pid, flush=True)
+
+if sys.argv[1] == "main":
+    start()
+else:
+    thread = threading.Thread(target=start)
+    thread.start()
+    thread.join()
+time.sleep(600)
+"""
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, reparented to an init that may not reap it, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_link_reads_back_from_its_argument() -> None:
+    link = ParentLink(1234, main_thread=False)
+    assert ParentLink.decode(link.encode()) == link
+    assert ParentLink.here() == ParentLink(os.getpid(), main_thread=True)
+
+
+@pytest.mark.parametrize("thread", ["main", "other"])
+def test_a_child_dies_with_its_killed_parent(thread: str) -> None:
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, thread], stdout=subprocess.PIPE)
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    try:
+        # The child survives a thread of its parent that ends (the parent-death signal
+        # follows the thread that forked it: it is not armed then).
+        time.sleep(1.0)
+        assert alive(child)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + GONE_TIMEOUT_S
+        while alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(child)
+    finally:
+        parent.kill()
+        if alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_a_child_whose_parent_is_already_gone_exits_at_once() -> None:
+    # A link to another pid than the child's parent (this process): what a child sees whose
+    # parent died before it was bound, and which was reparented.
+    code = (
+        "from rsgl.parent_death import ParentLink, die_with_parent; "
+        "die_with_parent(ParentLink(1, main_thread=True)); print('still here')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert "still here" not in out.stdout
+    assert "is gone" in out.stderr
