@@ -23,6 +23,8 @@ FORBIDDEN = {
     "scheduler": {"server", "engine"},
     "tokenizer": {"layers", "models", "model_executor", "scheduler"},
     "server": {"engine"},
+    # Constrained decoding: driven by the loop, read by the sampler; imports neither.
+    "grammar": {"layers", "models", "model_executor", "scheduler", "server", "engine", "stack"},
     "stack": {"server", "engine"},
 }
 TORCH_FREE = ["sampling_params", "args", "errors", "validation", "outputs", "cache_dir"]

@@ -33,6 +33,9 @@ LOAD_FORMATS = ("auto", "dummy", "null")
 # is sglang-router's).
 LOAD_BALANCE_METHODS = ("round_robin", "total_requests", "total_tokens", "cache_aware")
 
+# Constrained-decoding backends (rsgl.grammar; none: constraints are refused with a 400).
+GRAMMAR_BACKENDS = ("xgrammar", "llguidance", "none")
+
 # Model dtypes (auto: chosen at start-up by rsgl.models.dtype_choice).
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -138,6 +141,24 @@ class EngineArgs:
     stream_interval: int = option(
         1, "tokens per streamed chunk (a request's last chunk comes when it ends)"
     )
+    grammar_backend: str = option(
+        "llguidance",
+        "constrained decoding (json_schema, regex, ebnf, structural_tag, response_format): "
+        "llguidance (the default: measured faster per mask), xgrammar, or none (refused)",
+        choices=GRAMMAR_BACKENDS,
+    )
+    constrained_json_disable_any_whitespace: bool = option(
+        False, "JSON constraints allow no whitespace between tokens (compact JSON)"
+    )
+    constrained_json_max_whitespace: int = option(
+        16,
+        "most whitespace characters a JSON constraint allows in one place (0: unbounded), so "
+        "a model cannot run to max_tokens on whitespace",
+    )
+    grammar_compile_timeout: float = option(
+        30.0, "seconds a request waits for its grammar to compile before it fails (400)"
+    )
+    grammar_cache_mb: int = option(256, "memory for compiled grammars, least recently used out")
 
     tp_size: int = option(
         1,
@@ -183,6 +204,17 @@ class EngineArgs:
             "stream_interval",
             "cuda_graph_max_bs",
         )
+        if self.grammar_backend not in GRAMMAR_BACKENDS:
+            expected = ", ".join(GRAMMAR_BACKENDS)
+            raise ValueError(
+                f"invalid grammar_backend {self.grammar_backend!r}: expected one of {expected}"
+            )
+        if not 0 < self.grammar_compile_timeout < float("inf"):
+            timeout = self.grammar_compile_timeout
+            raise ValueError(f"grammar_compile_timeout must be finite and > 0, got {timeout}")
+        for name in ("constrained_json_max_whitespace", "grammar_cache_mb"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.load_balance_method not in LOAD_BALANCE_METHODS:
             expected = ", ".join(LOAD_BALANCE_METHODS)
             raise ValueError(

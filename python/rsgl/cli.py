@@ -14,6 +14,7 @@ BENCHMARKS: dict[str, str] = {
     "soak": "rsgl.bench.soak",
     "overhead": "rsgl.bench.overhead",
     "collectives": "rsgl.bench.collectives",
+    "grammar": "rsgl.bench.grammar",
 }
 
 

@@ -23,8 +23,7 @@ from rsgl.model_executor.model_runner import ModelRunner
 from rsgl.model_executor.null_runner import NullRunner
 from rsgl.outputs import merge
 from rsgl.sampling_params import SamplingParams
-from rsgl.scheduler.loop import SchedulerLoop
-from rsgl.stack import ModelStack, build_stack
+from rsgl.stack import ModelStack, build_loop, build_stack
 from rsgl.tokenizer.output_processor import OutputProcessor, OutputQueue, RequestRecord
 from rsgl.validation import expand_requests, make_sampling_params, tokenize_prompt
 
@@ -78,12 +77,7 @@ class Engine:
         self.processor = OutputProcessor(
             self.tokenizer, on_stop=lambda rid, matched: self._loop.finish(rid, matched)
         )
-        self._loop = SchedulerLoop(
-            self.core,
-            self.runner,
-            self.processor.process,
-            overlap=not self.args.disable_overlap_schedule,
-        )
+        self._loop = build_loop(stack, self.args, self.processor.process)
         freeze_startup_objects()
 
     def _start_replicas(self) -> None:

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from rsgl.errors import SamplingParamError
+from rsgl.grammar.constraint import Constraint
 
 # The float-valued fields, in the order they are checked; each must be finite.
 FLOAT_FIELDS = (
@@ -72,9 +73,26 @@ class SamplingParams:
     # Tokens per streamed chunk for this request; None or 0: the server's (or Engine's)
     # --stream-interval, as SGLang reads its per-request `stream_interval`.
     stream_interval: int | None = None
+    # Structured output (SGLang's names): at most one constraint, compiled by the grammar
+    # backend; json_schema and structural_tag are JSON text, ebnf is GBNF-style EBNF.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
+
+    def constraint(self) -> Constraint | None:
+        """The output constraint these params ask for, normalised (None: free text)."""
+        return Constraint.of(
+            {
+                "json_schema": self.json_schema,
+                "regex": self.regex,
+                "ebnf": self.ebnf,
+                "structural_tag": self.structural_tag,
+            }
+        )
 
     @property
     def is_greedy(self) -> bool:
@@ -132,6 +150,7 @@ class SamplingParams:
             _bad("token_ids_logprob", self.token_ids_logprob, "must be non-negative token ids")
         if self.stream_interval is not None and not 0 <= self.stream_interval <= INT64_MAX:
             _bad("stream_interval", self.stream_interval, "must be in [0, 2**63), or None")
+        self.constraint()  # InvalidRequest naming the field: two constraints, bad JSON
 
 
 def _bad(name: str, value: object, rule: str) -> None:

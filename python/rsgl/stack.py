@@ -1,5 +1,5 @@
 """A model stack: tokenizer, scheduling core and model runner, loaded and sized from the
-engine arguments (`build_stack`).
+engine arguments (`build_stack`), and the scheduling loop over it (`build_loop`).
 
 Both callers of a scheduling loop assemble their stack here: `rsgl.Engine` in-process and the
 server's scheduler process (`rsgl.server.scheduler_process`). It sits below both, so imports
@@ -20,12 +20,16 @@ import torch
 from rsgl._core import Scheduler
 from rsgl.args import EngineArgs
 from rsgl.cpu_features import default_cpu_threads
-from rsgl.model_executor.executor import on_compute_thread, run_on_compute_thread
+from rsgl.grammar.backend import GrammarBackend, GrammarOptions
+from rsgl.grammar.compiler import GrammarCompiler
+from rsgl.grammar.registry import make_backend
+from rsgl.model_executor.executor import StepExecutor, on_compute_thread, run_on_compute_thread
 from rsgl.model_executor.kv_cache import KVCache, resolve_kv_cache_dtype
 from rsgl.model_executor.model_runner import ModelRunner
 from rsgl.model_executor.null_runner import NullRunner
 from rsgl.models.config import ModelConfig
 from rsgl.models.dtype_choice import DtypeChoice, choose_dtype
+from rsgl.scheduler.loop import Emit, SchedulerLoop
 from rsgl.tokenizer.loader import load_tokenizer
 
 if TYPE_CHECKING:
@@ -316,3 +320,42 @@ def _pool_tokens(
     tokens = int(total * (args.mem_fraction or DEFAULT_MEM_FRACTION) / per_token)
     cap = DEFAULT_MAX_TOTAL_TOKENS if args.mem_fraction is None else tokens
     return max(4 * args.page_size, min(tokens, cap))
+
+
+def build_loop(
+    stack: ModelStack, args: EngineArgs, emit: Emit, executor: StepExecutor | None = None
+) -> SchedulerLoop:
+    """The scheduling loop over `stack`, with its grammar compiler (`--grammar-backend`)."""
+    grammar, refusal = _grammar_compiler(stack, args)
+    return SchedulerLoop(
+        stack.core,
+        stack.runner,
+        emit,
+        overlap=not args.disable_overlap_schedule,
+        executor=executor,
+        grammar=grammar,
+        grammar_refusal=refusal,
+        grammar_compile_timeout=args.grammar_compile_timeout,
+    )
+
+
+def _grammar_compiler(stack: ModelStack, args: EngineArgs) -> tuple[GrammarCompiler | None, str]:
+    """The compiler of constraints, or None and why requests with one are refused."""
+    if args.grammar_backend == "none":
+        return None, "constrained decoding is off (--grammar-backend none)"
+    if args.tp_size > 1:
+        return None, "constrained decoding does not run with --tp-size > 1 yet"
+    options = GrammarOptions(
+        disable_any_whitespace=args.constrained_json_disable_any_whitespace,
+        max_whitespace=args.constrained_json_max_whitespace or None,
+    )
+    config, tokenizer = stack.config, stack.tokenizer
+
+    def backend() -> GrammarBackend:
+        made = make_backend(
+            args.grammar_backend, tokenizer, config.vocab_size, config.eos_token_ids, options
+        )
+        assert made is not None
+        return made
+
+    return GrammarCompiler(backend, cache_bytes=args.grammar_cache_mb << 20), ""

@@ -25,6 +25,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,11 +70,11 @@ def measure(
     # When the executor runs each step: the gaps between steps are what the loop failed to
     # hide (overlap hides the loop completely when the next step is always queued).
     runs: list[tuple[float, float]] = []
-    step = engine.runner.step
+    step: Callable[..., Any] = engine.runner.step  # the null runner's
 
-    def timed_step(plan: Any) -> Any:
+    def timed_step(plan: Any, vocab_mask: Any = None) -> Any:
         t0 = time.perf_counter()
-        out = step(plan)
+        out = step(plan, vocab_mask)
         runs.append((t0, time.perf_counter()))
         return out
 

@@ -144,6 +144,8 @@ class CpuKernels:
             rotary = getattr(lib, f"rsgl_rotary_{suffix}")
             rotary.argtypes = [ptr, ptr, i64, i64, i64, i64, i32]
             self._add_rmsnorm[act], self._silu_mul[act], self._rotary[act] = norm, silu, rotary
+        self._bitmask = lib.rsgl_apply_token_bitmask_f32
+        self._bitmask.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, i32]
         isa = lib.rsgl_kernel_isa
         isa.argtypes, isa.restype = [], ctypes.c_char_p
         # The instruction sets the kernels were compiled for (which of their paths run).
@@ -155,6 +157,7 @@ class CpuKernels:
             *self._silu_mul.values(),
             *self._rotary.values(),
             *self._argmax.values(),
+            self._bitmask,
         ):
             fn.restype = None
 
@@ -318,6 +321,30 @@ class CpuKernels:
         out = torch.empty(rows, dtype=torch.int64)
         self._argmax[act](x.data_ptr(), rows, cols, out.data_ptr(), torch.get_num_threads())
         return out
+
+    def apply_token_bitmask(
+        self, logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
+    ) -> None:
+        """Sets to -inf, in place, the logits of every token a grammar forbids: row rows[i]
+        of logits ([B, V] float32) by row i of bitmask (int32 [len(rows), ceil(V / 32)])."""
+        if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+            raise ValueError("apply_token_bitmask: logits must be float32 [B, V], rows dense")
+        _check_index(rows, torch.int64)
+        _check_index(bitmask, torch.int32)
+        if bitmask.dim() != 2 or bitmask.shape[0] != rows.shape[0]:
+            raise ValueError("apply_token_bitmask: one bitmask row per masked row")
+        if len(rows) and not 0 <= int(rows.min()) <= int(rows.max()) < logits.shape[0]:
+            raise ValueError("apply_token_bitmask: a row is out of range")
+        self._bitmask(
+            logits.data_ptr(),
+            logits.stride(0),
+            logits.shape[1],
+            rows.data_ptr(),
+            len(rows),
+            bitmask.data_ptr(),
+            bitmask.shape[1],
+            torch.get_num_threads(),
+        )
 
 
 def _cpu_fingerprint() -> str:

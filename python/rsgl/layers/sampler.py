@@ -10,6 +10,7 @@ import torch
 
 from rsgl.layers.cpu_kernels import ACT_DTYPES, load_cpu_kernels
 from rsgl.layers.host_copy import to_device
+from rsgl.layers.vocab_mask import VocabMask, apply_token_bitmask
 from rsgl.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 _MASK64 = (1 << 63) - 1
@@ -297,16 +298,19 @@ class Sampler:
         seq_lens: torch.Tensor,
         req_slots_host: np.ndarray,
         seq_lens_host: np.ndarray,
+        vocab_mask: VocabMask | None = None,
     ) -> SampleOutput:
         """logits: [B, vocab] for request slots `req_slots` whose next position is `seq_lens`;
-        the `*_host` arrays hold the same values on the host."""
+        the `*_host` arrays hold the same values on the host. `vocab_mask`: the rows under a
+        grammar and their allowed tokens (applied last, after penalties and bias, as
+        SGLang does; waited for only here, after the forward)."""
         state.flush()
         raw = logits
         greedy = state.greedy[req_slots_host]
         below_min = state.output_len[req_slots_host] < state.min_new_tokens[req_slots_host]
         # Plain greedy rows take the argmax of the logits as they come (widening bfloat16
         # is exact, so it is the float32 argmax); everything else works in float32.
-        if not plain_greedy(state, req_slots_host):
+        if vocab_mask is not None or not plain_greedy(state, req_slots_host):
             logits = logits.float()
         if state.penalized[req_slots_host].any():
             logits = apply_penalties(logits, state, req_slots)
@@ -315,6 +319,10 @@ class Sampler:
         if below_min.any():
             (rows_below_min,) = to_device([below_min], self.device, torch.bool, share_on_cpu=False)
             logits = mask_stop_ids(logits, state, req_slots, rows_below_min)
+        if vocab_mask is not None:
+            if logits is raw and state.return_logprob[req_slots_host].any():
+                logits = logits.clone()  # logprobs are the model's, before the mask
+            apply_token_bitmask(logits, vocab_mask.rows, vocab_mask.wait())
 
         if greedy.all():
             next_ids = argmax_rows(logits)

@@ -19,6 +19,7 @@ from rsgl.layers.attention import (
 from rsgl.layers.host_copy import to_device
 from rsgl.layers.parallel import sharded_argmax
 from rsgl.layers.sampler import SampleOutput, Sampler, SlotSamplingState, plain_greedy
+from rsgl.layers.vocab_mask import VocabMask
 from rsgl.model_executor.cuda_graph_runner import (
     CudaGraphRunner,
     TorchCudaGraph,
@@ -279,26 +280,42 @@ class ModelRunner:
         batch = ForwardBatch.from_arrays(forward_mode=mode, device=self.device, **padded)
         return PreparedStep(plan, writes, batch, True, n)
 
-    def execute(self, prepared: PreparedStep, *, return_logits: bool = False) -> StepOutput:
-        """Applies the req_to_token writes, then forward + sampling."""
+    def execute(
+        self,
+        prepared: PreparedStep,
+        *,
+        return_logits: bool = False,
+        vocab_mask: VocabMask | None = None,
+    ) -> StepOutput:
+        """Applies the req_to_token writes, then forward + sampling (under `vocab_mask`'s
+        grammar masks, waited for after the forward; masked rows' returned logits are -inf
+        where forbidden)."""
         if prepared.writes is not None:
             rows, cols, slots = prepared.writes
             self.req_to_token.apply_writes(rows, cols, slots)
         if prepared.batch is None:
             return _empty_output(self.device)
         if not prepared.graph:
-            return self.forward(prepared.batch, return_logits=return_logits)
+            return self.forward(prepared.batch, return_logits=return_logits, vocab_mask=vocab_mask)
         assert self.graphs is not None
         with torch.inference_mode():
             logits = self.graphs.replay(prepared.batch)[: prepared.num_requests]
-            out = self._sample(prepared.batch, logits, prepared.num_requests, return_logits)
+            out = self._sample(
+                prepared.batch, logits, prepared.num_requests, return_logits, vocab_mask
+            )
         if out.logits is not None:
             # The graph's output buffer is overwritten by the next replay of its size.
             out.logits = out.logits.clone()
         return out
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, *, return_logits: bool = False) -> StepOutput:
+    def forward(
+        self,
+        batch: ForwardBatch,
+        *,
+        return_logits: bool = False,
+        vocab_mask: VocabMask | None = None,
+    ) -> StepOutput:
         """Forward + sample for a batch whose req_to_token rows are already written."""
         if batch.forward_mode == ForwardMode.IDLE or batch.batch_size == 0:
             return _empty_output(self.device)
@@ -306,7 +323,7 @@ class ModelRunner:
         self.attn.prepare(batch)
         tp = self.loaded.tp
         greedy = tp is not None and plain_greedy(self.sampling, batch.req_slots_host)
-        if tp is not None and greedy and not return_logits:
+        if tp is not None and greedy and not return_logits and vocab_mask is None:
             # Greedy under tensor parallelism: the ranks exchange their best (value, id)
             # per row instead of all-gathering the logits (SmolLM2 at batch 64 over gloo:
             # a [64, 2] gather instead of 2 x [64, 24576] floats, ~15 ms).
@@ -314,16 +331,23 @@ class ModelRunner:
             ids = sharded_argmax(local, tp.shard.vocab.start, tp.group)
             return self._record(batch, SampleOutput(ids), batch.batch_size, None)
         logits = self.model(input_ids, batch, self.attn)
-        return self._sample(batch, logits, batch.batch_size, return_logits)
+        return self._sample(batch, logits, batch.batch_size, return_logits, vocab_mask)
 
     def _sample(
-        self, batch: ForwardBatch, logits: torch.Tensor, n: int, return_logits: bool
+        self,
+        batch: ForwardBatch,
+        logits: torch.Tensor,
+        n: int,
+        return_logits: bool,
+        vocab_mask: VocabMask | None = None,
     ) -> StepOutput:
         """Samples the first `n` rows of `batch` (the rest are graph padding)."""
         req_slots, seq_lens = batch.req_slots[:n], batch.seq_lens[:n]
         slots_host = batch.req_slots_host[:n]
         lens_host = batch.seq_lens_host[:n]
-        sample = self.sampler(logits, self.sampling, req_slots, seq_lens, slots_host, lens_host)
+        sample = self.sampler(
+            logits, self.sampling, req_slots, seq_lens, slots_host, lens_host, vocab_mask
+        )
         return self._record(batch, sample, n, logits if return_logits else None)
 
     def _record(

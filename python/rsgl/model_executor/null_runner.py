@@ -21,6 +21,7 @@ from rsgl.model_executor.model_runner import StepOutput
 
 if TYPE_CHECKING:
     from rsgl._core import Plan
+    from rsgl.layers.vocab_mask import VocabMask
     from rsgl.models.config import ModelConfig
     from rsgl.sampling_params import SamplingParams
 
@@ -74,12 +75,15 @@ class NullRunner:
         """Nothing to copy: the plan is the input."""
         return plan
 
-    def execute(self, plan: Plan) -> StepOutput:
-        """`step(plan)`."""
-        return self.step(plan)
+    def execute(self, plan: Plan, *, vocab_mask: VocabMask | None = None) -> StepOutput:
+        """`step(plan, vocab_mask)`."""
+        return self.step(plan, vocab_mask)
 
-    def step(self, plan: Plan) -> StepOutput:
-        """One token per row of `plan` (the core ignores rows that do not sample)."""
+    def step(self, plan: Plan, vocab_mask: VocabMask | None = None) -> StepOutput:
+        """One token per row of `plan` (the core ignores rows that do not sample). A row
+        under a grammar mask takes the allowed token its hash picks among the allowed ones
+        (EOS included: a grammar ends with it), so constrained outputs stay in the grammar
+        and as independent of batching as free ones."""
         if self.step_s > 0:
             time.sleep(self.step_s)
         positions = plan.seq_lens.astype(np.uint64)
@@ -88,4 +92,12 @@ class NullRunner:
         ids = (h % self._high).astype(np.int64)
         for e in self._eos:  # ascending, so each shift sees the ids already moved past
             ids += ids >= e
+        if vocab_mask is not None:
+            bitmask = vocab_mask.wait().numpy()
+            vocab = self.config.vocab_size
+            for i, row in enumerate(vocab_mask.rows.tolist()):
+                bits = np.unpackbits(bitmask[i].view(np.uint8), bitorder="little")[:vocab]
+                allowed = np.flatnonzero(bits)
+                if len(allowed):
+                    ids[row] = allowed[int(h[row] % np.uint64(len(allowed)))]
         return StepOutput(SampleOutput(torch.from_numpy(ids)))

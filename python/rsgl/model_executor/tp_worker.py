@@ -37,6 +37,7 @@ import zmq
 
 from rsgl._core import Plan
 from rsgl.errors import FatalStepError
+from rsgl.layers.vocab_mask import VocabMask
 from rsgl.model_executor.model_runner import ModelRunner, PreparedStep, StepOutput
 from rsgl.models.loader import LoadedModel
 from rsgl.sampling_params import SamplingParams
@@ -205,7 +206,17 @@ class TPRunner(ModelRunner):
         )
         super().admit(req_slot, params, prompt_ids, output_ids)
 
-    def execute(self, prepared: PreparedStep, *, return_logits: bool = False) -> StepOutput:
+    def execute(
+        self,
+        prepared: PreparedStep,
+        *,
+        return_logits: bool = False,
+        vocab_mask: VocabMask | None = None,
+    ) -> StepOutput:
+        if vocab_mask is not None:
+            # Followers would sample without the mask (and their FutureMaps diverge): the
+            # loop refuses constraints under tensor parallelism (rsgl.stack).
+            raise ValueError("grammar masks are not sent to tensor-parallel followers")
         if self._broken is None:
             self._broken = self.followers.failure()
         if self._broken is not None:

@@ -28,6 +28,10 @@ import torch
 
 from rsgl._core import FinishReason, Plan, Scheduler
 from rsgl.errors import FatalStepError
+from rsgl.grammar.backend import GrammarError, Matcher
+from rsgl.grammar.compiler import GrammarCompiler
+from rsgl.grammar.constraint import Constraint
+from rsgl.grammar.step_mask import StepMask
 from rsgl.model_executor.executor import LaunchedStep, StepExecutor
 from rsgl.model_executor.model_runner import StepOutput
 from rsgl.outputs import TokenUpdate
@@ -61,7 +65,7 @@ class Runner(Protocol):
 
     def prepare(self, plan: Plan) -> Any: ...
 
-    def execute(self, prepared: Any) -> StepOutput: ...
+    def execute(self, prepared: Any, *, vocab_mask: StepMask | None = None) -> StepOutput: ...
 
 
 @dataclass(slots=True)
@@ -76,12 +80,29 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     arrival: float = field(default_factory=time.perf_counter)
     scheduled: float | None = None  # first time a plan included it (queue time ends)
+    # Its grammar's state, fed every committed token (None: free text).
+    matcher: Matcher | None = None
+
+
+@dataclass(slots=True)
+class _Compiling:
+    """A constrained request waiting for its grammar, outside the core (it holds no slot)."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int
+    constraint: Constraint
+    future: Future[Any]
+    deadline: float
+    arrival: float = field(default_factory=time.perf_counter)
 
 
 @dataclass(slots=True)
 class _Launched:
     plan: Plan
     result: LaunchedStep
+    mask: StepMask | None = None
 
 
 class StepFailed(RuntimeError):
@@ -109,8 +130,20 @@ class SchedulerLoop:
         *,
         overlap: bool = True,
         executor: StepExecutor | None = None,
+        grammar: GrammarCompiler | None = None,
+        grammar_refusal: str = "constrained decoding is off (--grammar-backend none)",
+        grammar_compile_timeout: float = 30.0,
     ) -> None:
         self.core = core
+        # Structured output: the compiler (None: constraints are refused with
+        # `grammar_refusal`), and the requests waiting for their grammar.
+        self.grammar = grammar
+        self.grammar_refusal = grammar_refusal
+        self.grammar_compile_timeout = grammar_compile_timeout
+        self._compiling: dict[str, _Compiling] = {}
+        self._constrained = 0  # requests in the core with a matcher
+        self.mask_fills = 0  # steps that filled grammar masks
+        self.mask_fill_seconds = 0.0  # summed over those steps
         self.runner = runner
         self.emit = emit
         self.overlap = overlap
@@ -142,6 +175,8 @@ class SchedulerLoop:
             self._thread.join()
             self._thread = None
         self._stream.shutdown()
+        if self.grammar is not None:
+            self.grammar.shutdown()
 
     def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
         """Runs `fn` on the loop thread and returns its result."""
@@ -157,6 +192,23 @@ class SchedulerLoop:
 
         self._inbox.put(run)
         return done.result(timeout)
+
+    def grammar_stats(self) -> dict[str, float]:
+        """Constrained decoding's running totals (for /metrics and get_server_info): the
+        requests waiting for a grammar, compiles, cache hits, failures, the seconds spent
+        compiling, and the steps that filled masks and the seconds they took."""
+        stats: dict[str, float] = {
+            "grammar_waiting": len(self._compiling),
+            "grammar_mask_fills": self.mask_fills,
+            "grammar_mask_seconds": self.mask_fill_seconds,
+        }
+        if self.grammar is not None:
+            c = self.grammar.stats
+            stats["grammar_compiles"] = c.misses
+            stats["grammar_cache_hits"] = c.hits
+            stats["grammar_compile_failures"] = c.failures
+            stats["grammar_compile_seconds"] = c.compile_seconds
+        return stats
 
     # ---------------------------------------------------------------- commands
 
@@ -185,14 +237,17 @@ class SchedulerLoop:
                 added.append(rid)
         except BaseException:
             for rid in added:
-                core_id = self._by_rid.pop(rid)
-                del self._requests[core_id]
+                if self._compiling.pop(rid, None) is not None:
+                    continue
+                core_id = self._by_rid[rid]
+                self._forget(self._requests[core_id])
                 self.core.abort(core_id, "another request of the batch was refused")
             raise
 
     def _add(self, rid: str, prompt_ids: list[int], params: SamplingParams, priority: int) -> None:
-        """On the loop thread: registers a request with the core and here."""
-        if rid in self._by_rid:
+        """On the loop thread: registers a request with the core and here; a constrained
+        one first waits for its grammar (`_grammar_ready` adds it)."""
+        if rid in self._by_rid or rid in self._compiling:
             raise ValueError(f"request id {rid!r} is already in use")
         if params.max_new_tokens == 0:
             # Nothing to generate: over before it starts (the core only takes requests
@@ -200,6 +255,28 @@ class SchedulerLoop:
             reason = FinishReason.max_length(0)
             self.emit([TokenUpdate(rid, [], finish=reason, cached_tokens=0, queue_time=0.0)])
             return
+        constraint = params.constraint()
+        if constraint is None:
+            self._add_to_core(rid, prompt_ids, params, priority)
+            return
+        if self.grammar is None:
+            raise ValueError(f"{constraint.kind}: {self.grammar_refusal}")
+        future = self.grammar.submit(constraint)
+        deadline = time.monotonic() + self.grammar_compile_timeout
+        self._compiling[rid] = _Compiling(
+            rid, prompt_ids, params, priority, constraint, future, deadline
+        )
+        # Wakes the loop (it may be idle) on the compiler's thread, or at once on a hit.
+        future.add_done_callback(lambda _: self._inbox.put(lambda: self._grammar_ready(rid)))
+
+    def _add_to_core(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        matcher: Matcher | None = None,
+    ) -> Request:
         core_id = self._next_core_id
         self.core.add_request(
             core_id,
@@ -207,12 +284,65 @@ class SchedulerLoop:
             params.max_new_tokens,
             min_new_tokens=params.min_new_tokens,
             stop_token_ids=params.stop_token_ids,
-            ignore_eos=params.ignore_eos,
+            # A grammar ends with the model's EOS, which then ends the request (SGLang's
+            # FINISH_MATCHED_TOKEN), ignore_eos or not; before its end the mask forbids it.
+            ignore_eos=params.ignore_eos and matcher is None,
             priority=priority,
         )
         self._next_core_id += 1
-        self._requests[core_id] = Request(rid, core_id, prompt_ids, params)
+        req = Request(rid, core_id, prompt_ids, params, matcher=matcher)
+        self._constrained += matcher is not None
+        self._requests[core_id] = req
         self._by_rid[rid] = core_id
+        return req
+
+    def _grammar_ready(self, rid: str) -> None:
+        """On the loop thread: `rid`'s grammar compiled (it enters the core with a matcher
+        of its own) or failed (it ends with a 400 naming the compiler's error)."""
+        waiting = self._compiling.pop(rid, None)
+        if waiting is None:
+            return  # aborted or timed out meanwhile
+        assert self.grammar is not None
+        kind = waiting.constraint.kind
+        try:
+            matcher = self.grammar.backend.matcher(waiting.future.result())
+            req = self._add_to_core(
+                rid, waiting.prompt_ids, waiting.params, waiting.priority, matcher
+            )
+        except GrammarError as exc:
+            self._refuse(waiting, f"invalid request: {kind} does not compile: {exc}")
+            return
+        except ValueError as exc:  # the core refused it (as `submit` reports)
+            self._refuse(waiting, f"invalid request: {exc}")
+            return
+        except Exception as exc:  # noqa: BLE001 - one bad request must not stop the loop
+            logger.exception("the grammar backend failed for request %s", rid)
+            self._refuse(waiting, f"the grammar backend failed: {exc!r}", 500)
+            return
+        req.arrival = waiting.arrival
+
+    def _refuse(self, waiting: _Compiling, message: str, status_code: int | None = 400) -> None:
+        reason = FinishReason.abort(message, status_code)
+        queue_time = time.perf_counter() - waiting.arrival
+        update = TokenUpdate(waiting.rid, [], finish=reason, cached_tokens=0, queue_time=queue_time)
+        self.emit([update])
+
+    def _expire_compiles(self) -> float | None:
+        """Ends the requests whose grammar took longer than `grammar_compile_timeout` to
+        compile; returns the seconds until the next deadline (None: nobody waits)."""
+        if not self._compiling:
+            return None
+        now = time.monotonic()
+        for rid, waiting in list(self._compiling.items()):
+            if waiting.deadline <= now:
+                del self._compiling[rid]
+                timeout = self.grammar_compile_timeout
+                self._refuse(
+                    waiting,
+                    f"invalid request: compiling its {waiting.constraint.kind} took longer "
+                    f"than --grammar-compile-timeout ({timeout:g} s)",
+                )
+        return min((w.deadline for w in self._compiling.values()), default=now + 1) - now
 
     def post(self, fn: Callable[[], object]) -> None:
         """Runs `fn` on the loop thread soon, without waiting."""
@@ -223,10 +353,10 @@ class SchedulerLoop:
         (its output was completed there)."""
 
         def finish() -> None:
-            core_id = self._by_rid.pop(rid, None)
+            core_id = self._by_rid.get(rid)
             if core_id is not None:
                 self.core.finish(core_id, matched)
-                del self._requests[core_id]
+                self._forget(self._requests[core_id])
 
         self._inbox.put(finish)
 
@@ -235,6 +365,10 @@ class SchedulerLoop:
         `wait`, which returns at once)."""
 
         def abort() -> bool:
+            waiting = self._compiling.pop(rid, None)
+            if waiting is not None:
+                self._refuse(waiting, message, status_code=None)
+                return True
             core_id = self._by_rid.get(rid)
             if core_id is None:
                 return False
@@ -254,9 +388,9 @@ class SchedulerLoop:
     def _stop(self) -> None:
         self._stopping = True
 
-    def _drain_inbox(self, block: bool) -> None:
+    def _drain_inbox(self, block: bool, timeout: float | None = None) -> None:
         try:
-            command = self._inbox.get(block=block)
+            command = self._inbox.get(block=block, timeout=timeout if block else None)
             command()
             while True:
                 self._inbox.get_nowait()()
@@ -265,13 +399,15 @@ class SchedulerLoop:
 
     def _run(self) -> None:
         launched: _Launched | None = None
+        nxt: _Launched | None = None
         try:
             while not self._stopping:
                 idle = launched is None and not self.core.has_work
                 if idle:
-                    # Idle: verify the bookkeeping, then block until something arrives.
+                    # Idle: verify the bookkeeping, then block until something arrives
+                    # (or a grammar's compile deadline passes).
                     self.core.check()
-                self._drain_inbox(block=idle)
+                self._drain_inbox(block=idle, timeout=self._expire_compiles())
                 if self._stopping:
                     break
                 plan = self.core.schedule()
@@ -279,15 +415,22 @@ class SchedulerLoop:
                 if plan.forward_mode != "idle":
                     admissions = self._admissions(plan)
                     fault = self._planted_fault(plan)
+                    mask = self._step_mask(plan)
                     result = self._stream.launch(
                         lambda p=plan: self.runner.prepare(p),  # type: ignore[misc]
-                        lambda prepared, a=admissions, f=fault: self._execute(prepared, a, f),  # type: ignore[misc]
+                        lambda prepared, a=admissions, f=fault, m=mask: self._execute(  # type: ignore[misc]
+                            prepared, a, f, m
+                        ),
                     )
-                    nxt = _Launched(plan, result)
+                    nxt = _Launched(plan, result, mask)
                     self.steps += 1
                 if launched is not None:
                     self._process(launched)
-                launched = nxt
+                if nxt is not None and nxt.mask is not None:
+                    # Every token the new step's grammar rows depend on is accepted now
+                    # (the step before it was just processed); its forward runs meanwhile.
+                    self._fill_mask(nxt)
+                launched, nxt = nxt, None
                 if launched is not None and not self.overlap:
                     self._process(launched)
                     launched = None
@@ -297,7 +440,36 @@ class SchedulerLoop:
         except BaseException as exc:  # the engine reports it; requests must not hang
             logger.exception("rsgl scheduler loop failed")
             self.error = exc
+            for step in (launched, nxt):
+                if step is not None and step.mask is not None:
+                    step.mask.release()  # its sampler must not wait for a mask forever
             self._abort_all(f"engine error: {exc!r}", 500)
+
+    def _step_mask(self, plan: Plan) -> StepMask | None:
+        """A mask for the plan's rows whose requests have a grammar (None when none has)."""
+        if not self._constrained:
+            return None
+        requests = self._requests
+        rows = [
+            i
+            for i, core_id in enumerate(plan.rids.tolist())
+            if (req := requests.get(core_id)) is not None and req.matcher is not None
+        ]
+        if not rows:
+            return None
+        assert self.grammar is not None
+        return StepMask(np.asarray(rows, dtype=np.int64), self.grammar.backend.words)
+
+    def _fill_mask(self, step: _Launched) -> None:
+        assert step.mask is not None and self.grammar is not None
+        rids = step.plan.rids
+        matchers = []
+        for row in step.mask.rows.tolist():
+            req = self._requests.get(int(rids[row]))
+            matchers.append(None if req is None else req.matcher)
+        step.mask.fill(self.grammar.backend, matchers)
+        self.mask_fills += 1
+        self.mask_fill_seconds += step.mask.fill_seconds
 
     def _admissions(self, plan: Plan) -> list[tuple[int, SamplingParams, list[int], list[int]]]:
         """Per-slot sampling state for requests that got a request slot in this plan."""
@@ -322,13 +494,16 @@ class SchedulerLoop:
         prepared: Any,
         admissions: list[tuple[int, SamplingParams, list[int], list[int]]],
         fault: str | None = None,
+        mask: StepMask | None = None,
     ) -> StepOutput:
         """On the stream: admit new slots, then run the step (in launch order)."""
         for slot, params, prompt_ids, output_ids in admissions:
             self.runner.admit(slot, params, prompt_ids, output_ids)
         if fault is not None:
             raise InjectedFault(fault)
-        return self.runner.execute(prepared)
+        if mask is None:
+            return self.runner.execute(prepared)
+        return self.runner.execute(prepared, vocab_mask=mask)
 
     def _fail_step(self, plan: Plan, exc: Exception) -> None:
         """A step raised: its requests end with the error; nothing it wrote is kept. An
@@ -398,8 +573,13 @@ class SchedulerLoop:
             index = {rid: i for i, rid in enumerate(launched.plan.rids.tolist())}
         finished = {f.rid: f for f in outcome.finished}
         updates = []
+        rejected: list[Request] = []
         for core_id, token in zip(outcome.rids.tolist(), outcome.tokens.tolist(), strict=True):
             req = self._requests[core_id]
+            if req.matcher is not None and not req.matcher.accept(token):
+                rejected.append(req)
+                req.matcher = None  # unusable now; its later rows go unmasked, then dropped
+                self._constrained -= 1
             update = TokenUpdate(req.rid, [token])
             if not req.output_ids:
                 update.cached_tokens = self._cached_tokens_of(req)
@@ -417,9 +597,19 @@ class SchedulerLoop:
             done = self._requests.get(f.rid)
             if done is not None:
                 updates.append(self._complete(done, f.finish_reason, cached_tokens=f.cached_tokens))
+        for req in rejected:
+            # The mask allows only what the grammar accepts, so this is a backend fault:
+            # the request ends (its KV is released by the core), nobody else's does.
+            if req.core_id not in self._requests:
+                continue
+            message = f"the grammar rejected token {req.output_ids[-1]}"
+            logger.error("request %s: %s", req.rid, message)
+            if self.core.abort(req.core_id, message) == "removed":
+                updates.append(self._complete(req, FinishReason.abort(message, 500), None))
         self.emit(updates)
 
     def _forget(self, req: Request) -> None:
+        self._constrained -= req.matcher is not None
         del self._requests[req.core_id]
         self._by_rid.pop(req.rid, None)
 
@@ -444,6 +634,9 @@ class SchedulerLoop:
         updates = [self._complete(r, reason, 0) for r in list(self._requests.values())]
         if updates:
             self.emit(updates)
+        for waiting in list(self._compiling.values()):
+            self._refuse(waiting, message, status_code)
+        self._compiling.clear()
 
 
 def _logprob_entry(out: StepOutput, i: int, params: SamplingParams, token: int) -> dict[str, Any]:

@@ -76,6 +76,20 @@ class ServerMetrics:
             "Steps whose execution raised (their requests were aborted)",
             per_rank=True,
         )
+        self.grammar_waiting = gauge(
+            "rsgl_num_grammar_queue_reqs", "Requests waiting for their grammar to compile"
+        )
+        self.grammar_counters = {
+            key: counter(f"rsgl_{key}", doc, per_rank=True)
+            for key, doc in (
+                ("grammar_compiles", "Grammars compiled (cache misses)"),
+                ("grammar_cache_hits", "Requests whose grammar was cached or compiling"),
+                ("grammar_compile_failures", "Constraints that did not compile (400)"),
+                ("grammar_compile_seconds", "Seconds spent compiling grammars"),
+                ("grammar_mask_fills", "Steps that filled grammar masks"),
+                ("grammar_mask_seconds", "Seconds spent filling grammar masks"),
+            )
+        }
         self.ranks_alive = Gauge(
             "rsgl_dp_ranks_alive", "Data-parallel ranks serving (of --dp-size)", labels, registry=r
         )
@@ -92,7 +106,7 @@ class ServerMetrics:
         self.model = model_name
         self.ranks_alive.labels(model_name).set(dp_size)
         # Per rank: the running totals last reported, and when.
-        self._seen = [
+        self._seen: list[dict[str, float]] = [
             {"retractions": 0, "step_failures": 0, "generated_tokens": 0} for _ in range(dp_size)
         ]
         self._stats_at: list[float | None] = [None] * dp_size
@@ -143,6 +157,12 @@ class ServerMetrics:
         if last is not None and now > last:
             throughput = (generated - seen["generated_tokens"]) / (now - last)
         self._stats_at[dp_rank], seen["generated_tokens"] = now, generated
+        self.grammar_waiting.labels(*labels).set(stats.get("grammar_waiting", 0))
+        for key, series in self.grammar_counters.items():
+            total = float(stats.get(key, 0))
+            if total > seen.get(key, 0):
+                series.labels(*labels).inc(total - seen.get(key, 0))
+                seen[key] = total
         gauges = {
             "running": stats["running"],
             "queued": stats["waiting"],
@@ -171,7 +191,14 @@ class ServerMetrics:
         if self.dp_size == 1:
             return
         labels = self._rank_labels(dp_rank)
-        for name in ("running", "queued", "kv_usage", "cache_hit_rate", "gen_throughput"):
+        for name in (
+            "running",
+            "queued",
+            "kv_usage",
+            "cache_hit_rate",
+            "gen_throughput",
+            "grammar_waiting",
+        ):
             getattr(self, name).remove(*labels)
         if self.sglang is not None:
             self.sglang.remove_rank(dp_rank)

@@ -21,7 +21,7 @@ from rsgl.outputs import TokenUpdate
 from rsgl.sampling_params import SamplingParams
 from rsgl.scheduler.loop import SchedulerLoop
 from rsgl.server import ipc
-from rsgl.stack import build_stack
+from rsgl.stack import build_loop, build_stack
 
 logger = logging.getLogger("rsgl.scheduler")
 
@@ -60,9 +60,7 @@ def run_scheduler_process(
     commands.connect(command_addr)
     outbox = _Outbox(events)
     stack = build_stack(args)
-    loop = SchedulerLoop(
-        stack.core, stack.runner, outbox.emit, overlap=not args.disable_overlap_schedule
-    )
+    loop = build_loop(stack, args, outbox.emit)
     info = {
         "context_length": stack.context_length,
         "max_total_tokens": stack.max_total_tokens,
@@ -88,6 +86,7 @@ def run_scheduler_process(
         stats["steps"] = loop.steps
         stats["step_failures"] = loop.step_failures
         stats["rss_bytes"] = _rss_bytes()
+        stats.update(loop.grammar_stats())
         outbox.send(ipc.Stats(stats, dp_rank, token))
 
     def stats_timer() -> None:

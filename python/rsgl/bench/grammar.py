@@ -1,0 +1,230 @@
+"""`rsgl bench grammar`: what constrained decoding costs, per backend.
+
+- `masks`: the time to fill one step's allowed-token bitmasks for a batch of requests (1, 16,
+  64, 256), each on a schema of the corpus (`grammar_schemas.json`), at the states a
+  generation passes through (each step accepts one allowed token, preferring ones that close
+  what is open, so the walk goes through keys, strings, numbers and the end), p50 / p99 in µs.
+- `compile`: compile time per schema, cold (a new compiler each time) and cached (a hit in
+  rsgl's compiler cache), p50 / p99 in ms.
+- `throughput` (with `--model`, the embedded model by default): `--num-prompts` requests
+  generated at once, each constrained by a corpus schema, against the same requests free with
+  the same output lengths (each free request generates exactly as many tokens as its
+  constrained twin, `ignore_eos`); output tokens/s of both and their ratio, in one process.
+
+    rsgl bench grammar --backends xgrammar llguidance --json
+    rsgl bench grammar --parts masks compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rsgl.grammar.backend import GrammarBackend, GrammarOptions, Matcher
+from rsgl.grammar.compiler import GrammarCompiler
+from rsgl.grammar.constraint import Constraint
+from rsgl.grammar.registry import make_backend
+
+CORPUS = Path(__file__).with_name("grammar_schemas.json")
+
+
+def load_corpus(path: Path = CORPUS) -> dict[str, Any]:
+    """The benchmark's (and the tests') JSON schemas, by name."""
+    corpus: dict[str, Any] = json.loads(path.read_text())
+    return corpus
+
+
+def _constraints(corpus: dict[str, Any]) -> list[Constraint]:
+    out = []
+    for schema in corpus.values():
+        c = Constraint.of({"json_schema": schema})
+        assert c is not None
+        out.append(c)
+    return out
+
+
+def _percentiles(values: list[float], scale: float) -> dict[str, float]:
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    return {"p50": round(statistics.median(ordered) * scale, 2), "p99": round(p99 * scale, 2)}
+
+
+class _Walker:
+    """Picks each matcher's next token from its mask row: a closing token when allowed
+    (so generations end), else a seeded random allowed one."""
+
+    def __init__(self, tokenizer: Any, seed: int = 0) -> None:
+        self.rng = np.random.default_rng(seed)
+        names = ['"', "}", "]", "0", "1", "a"]
+        self.closing = [int(tokenizer.eos_token_id)]
+        self.closing += [int(tokenizer.convert_tokens_to_ids(t)) for t in names]
+
+    def pick(self, row: np.ndarray, vocab: int) -> int:
+        bits = np.unpackbits(row.view(np.uint8), bitorder="little")[:vocab]
+        for t in self.closing:
+            if bits[t] and self.rng.random() < 0.7:
+                return t
+        allowed = np.flatnonzero(bits)
+        return int(self.rng.choice(allowed))
+
+
+def bench_masks(
+    backend: GrammarBackend, tokenizer: Any, corpus: dict[str, Any], batch: int, steps: int
+) -> dict[str, Any]:
+    constraints = _constraints(corpus)
+    compiled = [backend.compile(c) for c in constraints]
+    eos = int(tokenizer.eos_token_id)
+    walker = _Walker(tokenizer)
+
+    def fresh(i: int) -> Matcher:
+        return backend.matcher(compiled[i % len(compiled)])
+
+    matchers = [fresh(i) for i in range(batch)]
+    bitmask = torch.full((batch, backend.words), -1, dtype=torch.int32)
+    times: list[float] = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        backend.fill(matchers, bitmask)
+        times.append(time.perf_counter() - start)
+        rows = bitmask.numpy()
+        for i, m in enumerate(matchers):
+            token = walker.pick(rows[i], backend.vocab_size)
+            m.accept(token)
+            if token == eos or m.is_terminated():
+                matchers[i] = fresh(i + batch)  # a new request takes the slot
+    return {"batch": batch, "steps": steps, "fill_us": _percentiles(times, 1e6)}
+
+
+def bench_compile(make: Any, corpus: dict[str, Any], rounds: int) -> dict[str, Any]:
+    constraints = _constraints(corpus)
+    cold: list[float] = []
+    cached: list[float] = []
+    for _ in range(rounds):
+        compiler = GrammarCompiler(make)  # a new backend: no cache of xgrammar's either
+        for c in constraints:
+            start = time.perf_counter()
+            compiler.submit(c).result()
+            cold.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            compiler.submit(c).result()
+            cached.append(time.perf_counter() - start)
+        compiler.shutdown()
+    return {
+        "schemas": len(constraints),
+        "cold_ms": _percentiles(cold, 1e3),
+        "cached_ms": _percentiles(cached, 1e3),
+    }
+
+
+def bench_throughput(
+    backend: str, corpus: dict[str, Any], num_prompts: int, max_new_tokens: int, model: str | None
+) -> dict[str, Any]:
+    from rsgl.engine import Engine
+
+    schemas = list(corpus.values())
+    prompts: list[str | list[int]] = [
+        f"Record {i} of a database of people, as JSON:" for i in range(num_prompts)
+    ]
+    constrained = [
+        {
+            "json_schema": json.dumps(schemas[i % len(schemas)]),
+            "max_new_tokens": max_new_tokens,
+            "temperature": 0,
+        }
+        for i in range(num_prompts)
+    ]
+    with Engine(model, grammar_backend=backend, max_total_tokens=65536) as engine:
+        engine.generate(prompts[:2], constrained[:2], use_tqdm=False)  # compile, warm up
+        engine.generate(prompts, constrained, use_tqdm=False)  # every grammar compiled
+        fill_before = engine._loop.mask_fill_seconds
+        start = time.perf_counter()
+        outs = engine.generate(prompts, constrained, use_tqdm=False)
+        constrained_s = time.perf_counter() - start
+        fill_s = engine._loop.mask_fill_seconds - fill_before
+        lengths = [o["meta_info"]["completion_tokens"] for o in outs]
+        free = [{"max_new_tokens": n, "ignore_eos": True, "temperature": 0} for n in lengths]
+        start = time.perf_counter()
+        engine.generate(prompts, free, use_tqdm=False)
+        free_s = time.perf_counter() - start
+    tokens = sum(lengths)
+    return {
+        "num_prompts": num_prompts,
+        "output_tokens": tokens,
+        "constrained_tok_s": round(tokens / constrained_s, 1),
+        "free_tok_s": round(tokens / free_s, 1),
+        "ratio": round(free_s / constrained_s, 3),
+        "mask_fill_ms_total": round(fill_s * 1e3, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rsgl bench grammar", description=__doc__.split("\n")[0])
+    parser.add_argument("--backends", nargs="+", default=["xgrammar", "llguidance"])
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        default=["masks", "compile", "throughput"],
+        choices=["masks", "compile", "throughput"],
+    )
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--steps", type=int, default=200, help="mask fills per batch size")
+    parser.add_argument("--compile-rounds", type=int, default=3)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--model", default=None, help="model for `throughput` (default: embedded)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+
+    from rsgl.models.loader import resolve_model_dir
+    from rsgl.tokenizer.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(resolve_model_dir(args.model))
+    vocab = len(tokenizer)
+    corpus = load_corpus()
+    result: dict[str, Any] = {"cpu": _cpu_name()}
+    for name in args.backends:
+
+        def make(name: str = name) -> GrammarBackend:
+            made = make_backend(name, tokenizer, vocab, [tokenizer.eos_token_id], GrammarOptions())
+            assert made is not None
+            return made
+
+        entry: dict[str, Any] = {}
+        if "masks" in args.parts:
+            backend = make()
+            entry["masks"] = [
+                bench_masks(backend, tokenizer, corpus, b, args.steps) for b in args.batch_sizes
+            ]
+        if "compile" in args.parts:
+            entry["compile"] = bench_compile(make, corpus, args.compile_rounds)
+        if "throughput" in args.parts:
+            entry["throughput"] = bench_throughput(
+                name, corpus, args.num_prompts, args.max_new_tokens, args.model
+            )
+        result[name] = entry
+        if not args.json:
+            print(name, json.dumps(entry, indent=1))
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,103 @@
+"""The compiler of constraints: one compile per constraint however many wait, hits served
+from a byte-capped LRU cache, failures cached, the backend built only when first needed."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from grammar_walk import backend_for
+
+from rsgl.grammar.backend import GrammarBackend, GrammarError, Matcher
+from rsgl.grammar.compiler import GrammarCompiler
+from rsgl.grammar.constraint import Constraint
+
+
+class Counting(GrammarBackend):
+    """The real backend, counting compiles; `gate` holds each compile until it is set."""
+
+    name = "counting"
+
+    def __init__(self, real: GrammarBackend, size: int | None = None) -> None:
+        super().__init__(real.vocab_size)
+        self.real, self.size = real, size
+        self.compiles: list[Constraint] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def compile(self, constraint: Constraint) -> Any:
+        self.compiles.append(constraint)
+        self.gate.wait()
+        return self.real.compile(constraint)
+
+    def size_bytes(self, compiled: Any) -> int:
+        return self.size if self.size is not None else self.real.size_bytes(compiled)
+
+    def matcher(self, compiled: Any) -> Matcher:
+        return self.real.matcher(compiled)
+
+    def fill(self, matchers: Any, bitmask: Any) -> None:
+        self.real.fill(matchers, bitmask)
+
+
+SCHEMA = Constraint("json_schema", '{"type":"object","properties":{"a":{"type":"integer"}}}')
+
+
+@pytest.fixture
+def counting(tokenizer: Any) -> Counting:
+    return Counting(backend_for("xgrammar", tokenizer))
+
+
+def test_concurrent_requests_for_one_constraint_compile_it_once(counting: Counting) -> None:
+    compiler = GrammarCompiler(lambda: counting)
+    counting.gate.clear()
+    futures = [compiler.submit(SCHEMA) for _ in range(8)]
+    counting.gate.set()
+    results = [f.result(timeout=60) for f in futures]
+    assert len(counting.compiles) == 1
+    assert all(r is results[0] for r in results)
+    later = compiler.submit(SCHEMA).result(timeout=60)
+    assert later is results[0] and len(counting.compiles) == 1
+    assert (compiler.stats.misses, compiler.stats.hits) == (1, 8)
+    compiler.shutdown()
+
+
+def test_a_failure_is_cached_and_reported_to_every_waiter(counting: Counting) -> None:
+    compiler = GrammarCompiler(lambda: counting)
+    bad = Constraint("regex", "a(")
+    for _ in range(3):
+        with pytest.raises(GrammarError):
+            compiler.submit(bad).result(timeout=60)
+    assert len(counting.compiles) == 1 and compiler.stats.failures == 1
+    compiler.shutdown()
+
+
+def test_the_cache_evicts_the_least_recently_used_past_its_byte_cap(tokenizer: Any) -> None:
+    counting = Counting(backend_for("xgrammar", tokenizer), size=400)
+    compiler = GrammarCompiler(lambda: counting, cache_bytes=1000)
+    a, b, c = (Constraint("regex", r) for r in ("a+", "b+", "c+"))
+    for constraint in (a, b, a, c):  # a is used again after b, so b goes when c comes
+        compiler.submit(constraint).result(timeout=60)
+    assert counting.compiles == [a, b, c]
+    compiler.submit(a).result(timeout=60)
+    assert counting.compiles == [a, b, c]
+    compiler.submit(b).result(timeout=60)
+    assert counting.compiles == [a, b, c, b]
+    assert compiler.stats.cached_bytes <= 1000 and compiler.stats.cached_grammars == 2
+    compiler.shutdown()
+
+
+def test_the_backend_is_built_on_first_use_only() -> None:
+    built: list[str] = []
+
+    def make() -> GrammarBackend:
+        built.append("x")
+        raise RuntimeError("no backend here")
+
+    compiler = GrammarCompiler(make)
+    assert built == []
+    with pytest.raises(RuntimeError, match="no backend here"):
+        compiler.submit(SCHEMA).result(timeout=60)
+    assert built == ["x"] and compiler.stats.failures == 0  # not the constraint's fault
+    compiler.shutdown()
