@@ -11,6 +11,7 @@ here may fail a step of the scheduling loop.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import re
 import uuid
@@ -18,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rsgl import structured_output
 from rsgl.errors import InvalidRequest
 from rsgl.sampling_params import FLOAT_FIELDS, INT64_MAX, SamplingParams
 
@@ -97,20 +99,26 @@ def tokenize_prompt(
     input_ids: Any = None,
     messages: Any = None,
     param: str | None = None,
+    continue_final_message: bool = False,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[int]:
     """The checked token ids of a prompt given as text, token ids or chat messages (exactly
     one; messages go through the model's chat template). `param` names it in errors
-    (default: the form's own name)."""
+    (default: the form's own name). With `continue_final_message` the prompt ends inside
+    the last (assistant) message instead of opening a new one; `chat_template_kwargs` are
+    the template's own variables (SGLang's and HF's names for both)."""
     if sum(x is not None for x in (text, input_ids, messages)) != 1:
         raise InvalidRequest("give exactly one of text, input_ids or messages", param or "text")
     if messages is not None:
         name = param or "messages"
+        options: dict[str, Any] = dict(_template_variables(tokenizer, chat_template_kwargs))
+        if continue_final_message:
+            options.update(add_generation_prompt=False, continue_final_message=True)
+        else:
+            options["add_generation_prompt"] = True
         try:
             ids = tokenizer.apply_chat_template(
-                check_messages(messages),
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=False,
+                check_messages(messages), tokenize=True, return_dict=False, **options
             )
         except InvalidRequest:
             raise
@@ -125,6 +133,28 @@ def tokenize_prompt(
             [int(t) for t in tokenizer.encode(check_text(text, name))], limits, name
         )
     return check_prompt(input_ids, limits, param or "input_ids")
+
+
+def _template_variables(tokenizer: Any, variables: Any) -> dict[str, Any]:
+    """`chat_template_kwargs`, checked: an object whose keys are none of the arguments that
+    `apply_chat_template` takes itself (`tools`, `add_generation_prompt`, ...) nor the
+    template's `messages`, which the request's own fields set."""
+    if variables is None:
+        return {}
+    if not isinstance(variables, Mapping):
+        raise InvalidRequest("chat_template_kwargs must be an object", "chat_template_kwargs")
+    parameters = inspect.signature(tokenizer.apply_chat_template).parameters
+    reserved = {"messages"} | {
+        p.name for p in parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD
+    }
+    taken = sorted(set(variables) & reserved)
+    if taken:
+        raise InvalidRequest(
+            f"chat_template_kwargs may not set {', '.join(taken)}: the request's own fields "
+            "set those",
+            "chat_template_kwargs",
+        )
+    return dict(variables)
 
 
 def resolve_max_new_tokens(
@@ -229,7 +259,7 @@ _BOOL_FIELDS = frozenset(
 _PARAM_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 # Other names of SamplingParams fields in sampling_params dicts: OpenAI's logprob names, and
 # SGLang 0.5's name for the seed.
-_ALIASES = {
+SAMPLING_ALIASES = {
     "logprobs": "return_logprob",
     "top_logprobs": "top_logprobs_num",
     "sampling_seed": "seed",
@@ -239,11 +269,8 @@ _ALIASES = {
 # Each is accepted at a value that asks for nothing -- null, or what SGLang itself treats
 # as unset -- and refused naming the field otherwise, so that a request never silently gets
 # less than it asked for. Name -> (the values meaning unset, why it is refused when set).
+# The structured-output fields (`json_schema`, `regex`, ...) are `rsgl.structured_output`'s.
 UNSET_ONLY_SAMPLING_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "json_schema": ((None, ""), "no constrained decoding"),
-    "regex": ((None, ""), "no constrained decoding"),
-    "ebnf": ((None, ""), "no constrained decoding"),
-    "structural_tag": ((None, ""), "no constrained decoding"),
     "stop_regex": ((None, "", []), "no stop regexes"),
     "custom_params": ((None, {}), "no custom logit processors"),
     "beam_width": ((None, 1), "no beam search"),
@@ -279,17 +306,20 @@ def make_sampling_params(
         raise InvalidRequest(f"n must be an integer in [1, {limits.max_n}], got {n!r}", "n")
     fields: dict[str, Any] = {}
     for key, value in values.items():
+        if key in structured_output.SAMPLING_FIELDS:
+            structured_output.check_unset(key, value)
+            continue
         if key in UNSET_ONLY_SAMPLING_FIELDS:
             _check_unset(key, value)
             continue
-        name = _ALIASES.get(key, key)
+        name = SAMPLING_ALIASES.get(key, key)
         if name not in _PARAM_KEYS:
             raise InvalidRequest(f"unknown sampling parameter {key!r}", key)
         if value is None and name != "max_new_tokens":
             continue  # an explicit null means the default
         value = _typed(name, key, value, limits)
         if name in fields and not _json_equal(fields[name], value):
-            other = next(k for k in values if k != key and _ALIASES.get(k, k) == name)
+            other = next(k for k in values if k != key and SAMPLING_ALIASES.get(k, k) == name)
             raise InvalidRequest(f"{other} and {key} name the same parameter; give one", key)
         fields[name] = value
     stop = fields.get("stop")
@@ -355,7 +385,7 @@ def _bounded_unique(ids: list[int], limit: int, param: str) -> list[int]:
 
 def _key_of(name: str, raw: Mapping[str, Any]) -> str:
     """The caller's spelling of field `name` (an alias if they used one)."""
-    for alias, target in _ALIASES.items():
+    for alias, target in SAMPLING_ALIASES.items():
         if target == name and alias in raw:
             return alias
     return name

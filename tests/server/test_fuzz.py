@@ -70,6 +70,7 @@ LENGTH = {"maximum": CONTEXT_LENGTH}
 RUNTIME_LIMITS: dict[str, dict[str, Any]] = {
     "model": {"anyOf": [{"const": MODEL}, {"type": "null"}]},
     "n": {"maximum": MAX_N},
+    "best_of": {"maximum": MAX_N},
     "max_tokens": LENGTH,
     "max_completion_tokens": LENGTH,
     "max_new_tokens": LENGTH,

@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rsgl import structured_output
 from rsgl.sampling_params import FLOAT32_MAX, INT64_MAX, SEED_MAX, SEED_MIN, SamplingParams
 from rsgl.validation import CHAT_ROLES, MAX_LOGIT_BIAS, UNSET_ONLY_SAMPLING_FIELDS
 
@@ -33,6 +34,7 @@ BOUNDS: dict[str, dict[str, Any]] = {
     "presence_penalty": {"minimum": -2, "maximum": 2},
     "seed": {"minimum": SEED_MIN, "maximum": SEED_MAX},
     "n": {"minimum": 1, "description": "at most the server's --max-n (default 128)"},
+    "best_of": {"minimum": 1, "description": "at least n, at most the server's --max-n"},
     "max_new_tokens": {"minimum": 0, "description": "prompt + this must fit the context"},
     "min_new_tokens": {"minimum": 0, "maximum": INT64_MAX},
     "stop_token_ids": TOKEN_IDS,
@@ -106,6 +108,11 @@ def native_sampling_schema() -> dict[str, Any]:
             "anyOf": [{"const": value} for value in unset],
             "description": f"SGLang's; accepted only unset ({why})",
         }
+    for name, unset in structured_output.SAMPLING_FIELDS.items():
+        properties[name] = {
+            "anyOf": [{"const": value} for value in unset],
+            "description": "SGLang's; structured output is not supported yet",
+        }
     return {"type": "object", "properties": properties, "additionalProperties": False}
 
 
@@ -134,11 +141,17 @@ CHAT_MESSAGE_SCHEMA: dict[str, Any] = {
 
 
 class StreamOptions(BaseModel):
+    """OpenAI's stream options. Its other fields are kept for
+    `rsgl.server.request_fields`, which refuses or accepts each one by name."""
+
+    model_config = ConfigDict(extra="allow")
+
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
-    """Fields shared by completions and chat (OpenAI names plus the usual extras)."""
+class OpenAIRequest(BaseModel):
+    """Fields shared by completions and chat (OpenAI names plus SGLang's extras). The fields
+    declared here are honoured; `rsgl.server.request_fields` says what happens to the rest."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -146,6 +159,7 @@ class _SamplingFields(BaseModel):
     temperature: float | None = bounded(None, "temperature")
     top_p: float | None = bounded(None, "top_p")
     n: int = bounded(1, "n")
+    best_of: int | None = bounded(None, "best_of")
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -160,9 +174,13 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = bounded(None, "stop_token_ids")
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    no_stop_trim: bool = False
     logit_bias: dict[str, float] | None = bounded(None, "logit_bias")
     priority: int = bounded(0, "priority")
     rid: str | None = None
+    # SGLang's: serve the request on this data-parallel rank (its old and new names).
+    data_parallel_rank: int | None = None
+    routed_dp_rank: int | None = None
 
     def sampling_params(self) -> dict[str, Any]:
         """SGLang sampling_params for this request (the caller adds max_new_tokens, n and
@@ -180,13 +198,14 @@ class _SamplingFields(BaseModel):
             "stop_token_ids": self.stop_token_ids or [],
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
+            "no_stop_trim": self.no_stop_trim,
             "seed": self.seed,
             "logit_bias": self.logit_bias or {},
         }
         return params
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(OpenAIRequest):
     """POST /v1/completions."""
 
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
@@ -197,7 +216,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = bounded(None, "top_logprobs_num")
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(OpenAIRequest):
     """POST /v1/chat/completions."""
 
     messages: list[dict[str, Any]] = Field(
@@ -207,13 +226,18 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = bounded(None, "max_new_tokens")
     logprobs: bool = False
     top_logprobs: int | None = bounded(None, "top_logprobs_num")
+    # SGLang's chat-template options, and its prompt given as token ids (the messages are
+    # still checked, but not rendered).
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    input_ids: list[int] | None = Field(None, json_schema_extra=BOUNDS["input_ids"])
 
 
 class GenerateRequest(BaseModel):
-    """POST /generate: SGLang's `GenerateReqInput`. Fields rsgl does not know are ignored (as
-    SGLang's own models do); the ones naming a capability rsgl lacks are refused when set
-    (`UNSUPPORTED_GENERATE_FIELDS`); bookkeeping flags (`log_metrics`, `no_logs`,
-    `background`, ...) are accepted and change nothing here."""
+    """POST /generate: SGLang's `GenerateReqInput`. The fields declared here are honoured or,
+    for bookkeeping flags (`log_metrics`, `no_logs`), accepted; `rsgl.server.request_fields`
+    refuses the ones naming a capability rsgl lacks when set. Fields rsgl does not know are
+    ignored, as SGLang's own models do."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -247,51 +271,9 @@ class GenerateRequest(BaseModel):
     # SGLang's: serve every prompt of the request on this data-parallel rank (a router that
     # balances the ranks itself, or a test, names it); None lets --load-balance-method pick.
     data_parallel_rank: int | None = None
+    routed_dp_rank: int | None = None
     log_metrics: bool = True
     no_logs: bool = False
-    background: bool = False
-
-
-# Fields of SGLang's GenerateReqInput asking for what rsgl cannot do: a 400 naming the field
-# when set to anything but null / false.
-UNSUPPORTED_GENERATE_FIELDS = (
-    "lora_path",
-    "lora_id",
-    "image_data",
-    "video_data",
-    "audio_data",
-    "input_embeds",
-    "return_hidden_states",
-    "return_routed_experts",
-    "return_indexer_topk",
-    "return_entropy",
-    "return_bytes",
-    "custom_logit_processor",
-    "session_params",
-    "session_id",
-    "bootstrap_host",
-    "bootstrap_port",
-    "bootstrap_room",
-    "bootstrap_pair_key",
-    "mm_hashes",
-    "mm_content_hashes",
-    "use_audio_in_video",
-    "return_sampling_mask",
-    "return_flat_raw_top_logprobs",
-    "return_flat_raw_output_top_logprobs",
-    "positional_embed_overrides",
-    "watermark",
-    "require_reasoning",
-    "max_thinking_tokens",
-    "multi_item_delimiter_indices",
-    "token_indices_to_pool",
-    "encoder_urls",
-    "kv_hints",
-    # Prefix-cache namespaces: ignoring them would share a cache the client asked to keep
-    # apart.
-    "extra_key",
-    "cache_salt",
-)
 
 
 class AbortBody(BaseModel):

@@ -85,6 +85,24 @@ def check_model(st: ServerState, name: str | None) -> None:
         )
 
 
+def dp_rank(
+    st: ServerState, data_parallel_rank: int | None, routed_dp_rank: int | None
+) -> int | None:
+    """The data-parallel rank a request names (SGLang's `routed_dp_rank`, or its older name
+    `data_parallel_rank`), checked; None lets --load-balance-method pick."""
+    if None not in (data_parallel_rank, routed_dp_rank) and data_parallel_rank != routed_dp_rank:
+        raise bad_request(
+            "data_parallel_rank and routed_dp_rank name different ranks; give one",
+            "routed_dp_rank",
+        )
+    name, rank = "routed_dp_rank", routed_dp_rank
+    if rank is None:
+        name, rank = "data_parallel_rank", data_parallel_rank
+    if rank is not None and not 0 <= rank < st.frontend.dp_size:
+        raise bad_request(f"{name} must be in [0, {st.frontend.dp_size}), got {rank}", name)
+    return rank
+
+
 def sampling(
     st: ServerState,
     raw: dict[str, Any],

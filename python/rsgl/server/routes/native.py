@@ -19,7 +19,6 @@ import rsgl
 from rsgl.outputs import Output, merge
 from rsgl.server.frontend import EngineUnavailable
 from rsgl.server.protocol import (
-    UNSUPPORTED_GENERATE_FIELDS,
     AbortBody,
     ApiError,
     DetokenizeRequest,
@@ -27,10 +26,12 @@ from rsgl.server.protocol import (
     TokenizeRequest,
     bad_request,
 )
+from rsgl.server.request_fields import refuse_unsupported
 from rsgl.server.routes.common import (
     Choice,
     ServerState,
     collect,
+    dp_rank,
     merged,
     sampling,
     server_state,
@@ -51,7 +52,10 @@ State = Annotated[ServerState, Depends(server_state)]
 async def generate(req: GenerateRequest, request: Request, st: State) -> Any:
     """SGLang's generate: one prompt (`text` or `input_ids`) or a batch of them, `n` copies
     of each; a batch answers (and streams, with an `index`) its choices prompt by prompt."""
-    _refuse_unsupported(req)
+    extra = req.model_extra or {}
+    refuse_unsupported("generate", extra)
+    if extra:
+        logger.debug("/generate: unset or unknown fields %s", sorted(extra))
     prompts, single = _prompts(st, req)
     count = len(prompts)
     raws = _per_prompt(req.sampling_params, count, "sampling_params")
@@ -83,12 +87,7 @@ async def generate(req: GenerateRequest, request: Request, st: State) -> Any:
     if len(copies) > 1:
         raise bad_request("n must be the same for every prompt of a batch", "sampling_params")
     n = copies.pop()
-    rank = req.data_parallel_rank
-    if rank is not None and not 0 <= rank < st.frontend.dp_size:
-        raise bad_request(
-            f"data_parallel_rank must be in [0, {st.frontend.dp_size}), got {rank}",
-            "data_parallel_rank",
-        )
+    rank = dp_rank(st, req.data_parallel_rank, req.routed_dp_rank)
     choices = await start(st, jobs, n, req.rid, req.priority or 0, stream=req.stream, dp_rank=rank)
     text_of = _token_text(st) if req.return_text_in_logprobs else None
 
@@ -125,23 +124,6 @@ async def generate(req: GenerateRequest, request: Request, st: State) -> Any:
     results = await collect(st, request, choices)
     outs = [native(c, u) for c, u in results]
     return outs[0] if single and n == 1 else outs
-
-
-def _refuse_unsupported(req: GenerateRequest) -> None:
-    extra = req.model_extra or {}
-    for name in UNSUPPORTED_GENERATE_FIELDS:
-        if not _unset(extra.get(name)):
-            raise bad_request(f"{name} is not supported by this server", name)
-    if extra:
-        logger.debug("/generate: ignoring unknown fields %s", sorted(extra))
-
-
-def _unset(value: Any) -> bool:
-    """Whether a GenerateReqInput field asks for nothing: null, false, empty, or a batch's
-    list of one such value per prompt (`lora_path: [null, null]`)."""
-    if isinstance(value, list):
-        return all(_unset(v) for v in value)
-    return value is None or value is False or value == {}
 
 
 def _prompts(st: ServerState, req: GenerateRequest) -> tuple[list[list[int]], bool]:

@@ -9,17 +9,21 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 
+from rsgl.outputs import Output
 from rsgl.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    OpenAIRequest,
     bad_request,
     sum_usage,
 )
+from rsgl.server.request_fields import refuse_unsupported
 from rsgl.server.routes.common import (
     Choice,
     ServerState,
     check_model,
     collect,
+    dp_rank,
     merged,
     sampling,
     server_state,
@@ -27,7 +31,7 @@ from rsgl.server.routes.common import (
     start,
     stream_response,
 )
-from rsgl.validation import tokenize_prompt
+from rsgl.validation import check_messages, tokenize_prompt
 
 router = APIRouter()
 State = Annotated[ServerState, Depends(server_state)]
@@ -49,6 +53,62 @@ CHAT_PARAMS = {
 
 def _is_ids(p: Any) -> bool:
     return bool(p) and all(isinstance(t, int) for t in p)
+
+
+def check_fields(req: OpenAIRequest, endpoint: str) -> None:
+    """Refuses what `rsgl.server.request_fields` refuses (the body's undeclared fields, the
+    stream options' as `stream_options.<name>`), and options that need another one."""
+    fields = dict(req.model_extra or {})
+    if req.stream_options is not None:
+        extra = req.stream_options.model_extra or {}
+        fields.update({f"stream_options.{name}": value for name, value in extra.items()})
+    refuse_unsupported(endpoint, fields)
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+
+
+def candidates(st: ServerState, req: OpenAIRequest) -> int:
+    """How many completions to generate per prompt: `best_of` (checked as vLLM does), else
+    `n`."""
+    if req.best_of is None:
+        return req.n
+    max_n = st.limits.max_n
+    if not 1 <= req.n <= max_n:
+        raise bad_request(f"n must be an integer in [1, {max_n}], got {req.n}", "n")
+    if not 1 <= req.best_of <= max_n:
+        raise bad_request(
+            f"best_of must be an integer in [1, {max_n}], got {req.best_of}", "best_of"
+        )
+    if req.best_of < req.n:
+        raise bad_request(
+            f"best_of must be greater than or equal to n, got n={req.n}, best_of={req.best_of}",
+            "best_of",
+        )
+    if req.stream and req.best_of > req.n:
+        raise bad_request(
+            "best_of > n cannot be streamed: the best candidates are known only once all "
+            "have finished",
+            "best_of",
+        )
+    return req.best_of
+
+
+def cumulative_logprob(u: Output) -> float:
+    return sum(float(e["logprob"]) for e in u.logprobs or [])
+
+
+def best_of(results: list[tuple[Choice, Output]], n: int) -> list[tuple[Choice, Output]]:
+    """vLLM's best_of: of each prompt's candidates, the `n` with the highest cumulative
+    logprob of their tokens, best first (a tie keeps the earlier candidate first); the
+    prompts stay in order."""
+    by_prompt: dict[int, list[tuple[Choice, Output]]] = {}
+    for c, u in results:
+        by_prompt.setdefault(c.prompt_index, []).append((c, u))
+    chosen: list[tuple[Choice, Output]] = []
+    for prompt_index in sorted(by_prompt):
+        ranked = sorted(by_prompt[prompt_index], key=lambda r: -cumulative_logprob(r[1]))
+        chosen.extend(ranked[:n])
+    return chosen
 
 
 def envelope(
@@ -150,6 +210,14 @@ async def models(st: State) -> dict[str, Any]:
 @router.post("/v1/completions", response_model=None)
 async def completions(req: CompletionRequest, request: Request, st: State) -> Any:
     check_model(st, req.model)
+    check_fields(req, "completions")
+    if req.echo and req.logprobs is not None:
+        raise bad_request(
+            "echo with logprobs would need the prompt's logprobs, which this server does not "
+            "compute",
+            "echo",
+        )
+    copies = candidates(st, req)
     p: Any = req.prompt
     prompts: list[Any] = [p] if isinstance(p, str) or _is_ids(p) else list(p)
     if not prompts:
@@ -161,11 +229,14 @@ async def completions(req: CompletionRequest, request: Request, st: State) -> An
         for x in prompts
     ]
     raw = req.sampling_params()
-    raw.update(n=req.n, max_new_tokens=req.max_tokens)
+    raw.update(n=copies, max_new_tokens=req.max_tokens)
     if req.logprobs is not None:
         raw.update(logprobs=True, top_logprobs=req.logprobs)
+    elif copies > req.n:
+        raw["logprobs"] = True  # to rank the candidates
     jobs = [(x, sampling(st, raw, x, COMPLETION_PARAMS)[0]) for x in ids]
-    choices = await start(st, jobs, req.n, req.rid, req.priority, stream=req.stream)
+    rank = dp_rank(st, req.data_parallel_rank, req.routed_dp_rank)
+    choices = await start(st, jobs, copies, req.rid, req.priority, stream=req.stream, dp_rank=rank)
     if req.echo:
         for c in choices:
             x = prompts[c.prompt_index]
@@ -207,15 +278,22 @@ async def completions(req: CompletionRequest, request: Request, st: State) -> An
         return stream_response(body())
 
     results = await collect(st, request, choices)
+    # Usage counts every candidate's tokens, as OpenAI bills best_of.
     metas = [dict(u.meta or {}, prompt_index=c.prompt_index) for c, u in results]
+    if copies > req.n:
+        results = best_of(results, req.n)
     out = [
         {
-            "index": c.index,
+            "index": i,
             "text": c.prefix + u.text,
-            "logprobs": completion_logprobs(st, u.logprobs, len(c.prefix)),
+            "logprobs": (
+                completion_logprobs(st, u.logprobs, len(c.prefix))
+                if req.logprobs is not None
+                else None
+            ),
             "finish_reason": finish_reason(u.meta),
         }
-        for c, u in results
+        for i, (c, u) in enumerate(results)
     ]
     return envelope(st, cid, "text_completion", created, out, usage=sum_usage(metas))
 
@@ -223,7 +301,11 @@ async def completions(req: CompletionRequest, request: Request, st: State) -> An
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(req: ChatCompletionRequest, request: Request, st: State) -> Any:
     check_model(st, req.model)
-    prompt_ids = tokenize_prompt(st.tokenizer, st.limits, messages=req.messages)
+    check_fields(req, "chat")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    copies = candidates(st, req)
+    prompt_ids = chat_prompt(st, req)
     max_tokens = req.max_completion_tokens
     names = dict(CHAT_PARAMS)
     if max_tokens is None:
@@ -232,12 +314,15 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, st: Sta
         names["max_new_tokens"] = "max_completion_tokens"
     raw = req.sampling_params()
     # No limit given: whatever the context leaves.
-    raw.update(n=req.n, max_new_tokens=max_tokens)
+    raw.update(n=copies, max_new_tokens=max_tokens)
     if req.logprobs:
         raw.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
+    elif copies > req.n:
+        raw["logprobs"] = True  # to rank the candidates
     params, n = sampling(st, raw, prompt_ids, names)
+    rank = dp_rank(st, req.data_parallel_rank, req.routed_dp_rank)
     choices: list[Choice] = await start(
-        st, [(prompt_ids, params)], n, req.rid, req.priority, stream=req.stream
+        st, [(prompt_ids, params)], n, req.rid, req.priority, stream=req.stream, dp_rank=rank
     )
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -274,13 +359,33 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, st: Sta
 
     results = await collect(st, request, choices)
     metas = [dict(u.meta or {}, prompt_index=0) for _, u in results]
+    if copies > req.n:
+        results = best_of(results, req.n)
     out = [
         {
-            "index": c.index,
+            "index": i,
             "message": {"role": "assistant", "content": u.text},
-            "logprobs": chat_logprobs(st, u.logprobs),
+            "logprobs": chat_logprobs(st, u.logprobs) if req.logprobs else None,
             "finish_reason": finish_reason(u.meta),
         }
-        for c, u in results
+        for i, (_, u) in enumerate(results)
     ]
     return envelope(st, cid, "chat.completion", created, out, usage=sum_usage(metas))
+
+
+def chat_prompt(st: ServerState, req: ChatCompletionRequest) -> list[int]:
+    """The prompt's token ids: the messages through the chat template, or SGLang's
+    `input_ids` (the messages still checked) in place of the template's."""
+    if req.input_ids is None:
+        return tokenize_prompt(
+            st.tokenizer,
+            st.limits,
+            messages=req.messages,
+            continue_final_message=req.continue_final_message,
+            chat_template_kwargs=req.chat_template_kwargs,
+        )
+    for name in ("continue_final_message", "chat_template_kwargs"):
+        if getattr(req, name):
+            raise bad_request(f"{name} shapes the chat template, which input_ids replace", name)
+    check_messages(req.messages)
+    return tokenize_prompt(st.tokenizer, st.limits, input_ids=req.input_ids)
