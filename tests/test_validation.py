@@ -182,10 +182,6 @@ def test_sampling_seed_is_an_alias_of_seed() -> None:
 @pytest.mark.parametrize(
     ("name", "unset", "value"),
     [
-        ("json_schema", "", '{"type": "object"}'),
-        ("regex", "", "[a-z]+"),
-        ("ebnf", "", 'root ::= "a"'),
-        ("structural_tag", "", '{"type": "structural_tag"}'),
         ("stop_regex", [], ["\\d+"]),
         ("stop_regex", "", "\\d+"),
         ("custom_params", {}, {"k": 1}),
@@ -208,6 +204,22 @@ def test_sglang_fields_for_what_rsgl_cannot_do_are_refused_only_when_set(
     with pytest.raises(InvalidRequest, match=f"{name} is not supported") as info:
         make_sampling_params({name: value}, LIMITS, 10)
     assert info.value.param == name
+
+
+def test_constraints_are_sampling_params_json_as_text_or_object() -> None:
+    as_text = make_sampling_params({"json_schema": '{"type": "object"}'}, LIMITS, 10)[0]
+    as_object = make_sampling_params({"json_schema": {"type": "object"}}, LIMITS, 10)[0]
+    assert as_text.constraint() == as_object.constraint() is not None
+    assert make_sampling_params({"regex": "[a-z]+"}, LIMITS, 10)[0].regex == "[a-z]+"
+    assert make_sampling_params({"regex": ""}, LIMITS, 10)[0].constraint() is None
+    for bad, says in (
+        ({"regex": 3}, "regex must be a string"),
+        ({"json_schema": "{not json"}, "json_schema is not valid JSON"),
+        ({"json_schema": "[1, 2]"}, "json_schema must be a JSON object"),
+        ({"ebnf": 'root ::= "a"', "regex": "a"}, "regex and ebnf are both set"),
+    ):
+        with pytest.raises(InvalidRequest, match=says):
+            make_sampling_params(bad, LIMITS, 10)
 
 
 def test_a_request_may_set_its_own_stream_interval() -> None:

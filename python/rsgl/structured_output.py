@@ -1,59 +1,115 @@
-"""Structured output (constrained decoding: JSON schemas, regexes, grammars, tool calls).
+"""Structured output at the API's edge: what OpenAI's `response_format` and SGLang's
+constraint extras (`json_schema`, `regex`, `ebnf`, `structural_tag`, at the top level of its
+OpenAI requests) ask the sampler for, as sampling params (`rsgl.grammar` compiles them).
 
-rsgl does not constrain decoding yet. Until it does, every request field that asks for it is
-refused here, in this one place, with a 400 naming the field: ignoring it would hand back
-unconstrained text that the client takes for valid JSON or a tool call. Each field is
-accepted at a value that asks for nothing (null, an empty string or list, OpenAI's
-`{"type": "text"}` response format, a `tool_choice` that calls no tool). The work that
-implements structured output replaces `check_unset` and these tables.
+Tool calling is not built yet: `tools`, `tool_choice` and their deprecated spellings are
+refused here, in one place, with a 400 naming the field when they ask for anything (ignoring
+them would hand back prose that the client takes for a tool call). Each is accepted at a
+value that asks for nothing (null, an empty list, a `tool_choice` that calls no tool).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from rsgl.errors import InvalidRequest
+from rsgl.grammar.constraint import CONSTRAINT_FIELDS, JSON_OBJECT_SCHEMA
 
-# SGLang's SamplingParams fields (in /generate's `sampling_params` and the Engine's, and at
-# the top level of SGLang's OpenAI requests): name -> the values that ask for nothing.
-SAMPLING_FIELDS: dict[str, tuple[Any, ...]] = {
-    "json_schema": (None, ""),
-    "regex": (None, ""),
-    "ebnf": (None, ""),
-    "structural_tag": (None, ""),
-}
-
-# OpenAI's request fields (`functions` and `function_call` are the deprecated spellings of
-# `tools` and `tool_choice`). `tool_choice: "auto"` without tools calls none.
-OPENAI_FIELDS: dict[str, tuple[Any, ...]] = {
-    "response_format": (None, {"type": "text"}),
+# OpenAI's tool-calling fields (`functions` and `function_call` are the deprecated spellings
+# of `tools` and `tool_choice`), each with the values that ask for nothing.
+# `tool_choice: "auto"` without tools calls none.
+FIELDS: dict[str, tuple[Any, ...]] = {
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
 }
 
-FIELDS: dict[str, tuple[Any, ...]] = {**SAMPLING_FIELDS, **OPENAI_FIELDS}
+# OpenAI's rule for a json_schema response format's name.
+_SCHEMA_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
 def is_unset(name: str, value: Any) -> bool:
-    """Whether structured-output field `name` at `value` asks for nothing."""
+    """Whether tool-calling field `name` at `value` asks for nothing."""
     return any(_json_equal(value, nothing) for nothing in FIELDS[name])
 
 
 def check_unset(name: str, value: Any) -> None:
-    """Nothing if `value` leaves structured-output field `name` unset; InvalidRequest naming
-    the field otherwise."""
+    """Nothing if `value` leaves tool-calling field `name` unset; InvalidRequest naming the
+    field otherwise."""
     if not is_unset(name, value):
         shown = " or ".join(json.dumps(u) for u in FIELDS[name])
         raise InvalidRequest(
-            f"{name} is not supported yet: this server cannot constrain its output (JSON "
-            f"schemas, regexes, grammars, tool calls); leave it unset ({shown})",
+            f"{name} is not supported yet: this server cannot call tools; leave it unset "
+            f"({shown}), or constrain the output with response_format",
             name,
         )
+
+
+def constraint_params(
+    response_format: dict[str, Any] | None, extras: dict[str, Any]
+) -> dict[str, Any]:
+    """The sampling params (`json_schema`, `regex`, ...) that an OpenAI request's
+    `response_format` and SGLang extras ask for; InvalidRequest naming the field for a
+    malformed format, and naming both when more than one constraint is given."""
+    params = {k: v for k, v in extras.items() if v not in (None, "")}
+    fmt = _response_format(response_format)
+    if fmt:
+        if params:
+            other = next(iter(params))
+            raise InvalidRequest(
+                f"response_format and {other} are both set: a request takes one constraint",
+                other,
+            )
+        return fmt
+    return params
+
+
+def _response_format(fmt: dict[str, Any] | None) -> dict[str, Any]:
+    if fmt is None:
+        return {}
+    if not isinstance(fmt, dict):
+        raise InvalidRequest("response_format must be an object", "response_format")
+    kind = fmt.get("type")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_schema": JSON_OBJECT_SCHEMA}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise InvalidRequest(
+                'response_format {"type": "json_schema"} needs a json_schema object '
+                "(name, schema, strict)",
+                "response_format",
+            )
+        name = spec.get("name")
+        if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
+            raise InvalidRequest(
+                "response_format.json_schema.name must be 1-64 letters, digits, _ or -",
+                "response_format",
+            )
+        schema = spec.get("schema", {"type": "object"})
+        if not isinstance(schema, dict | bool):
+            raise InvalidRequest(
+                "response_format.json_schema.schema must be a JSON schema object",
+                "response_format",
+            )
+        return {"json_schema": json.dumps(schema)}
+    if kind == "structural_tag":
+        return {"structural_tag": json.dumps(fmt)}
+    raise InvalidRequest(
+        f"response_format type {kind!r} is not one of text, json_object, json_schema, "
+        "structural_tag",
+        "response_format",
+    )
 
 
 def _json_equal(a: Any, b: Any) -> bool:
     """`a == b` as JSON values: true and 1 differ, 1 and 1.0 do not."""
     return isinstance(a, bool) == isinstance(b, bool) and a == b
+
+
+__all__ = ["CONSTRAINT_FIELDS", "FIELDS", "check_unset", "constraint_params", "is_unset"]

@@ -19,8 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rsgl import structured_output
 from rsgl.errors import InvalidRequest
+from rsgl.grammar.constraint import CONSTRAINT_FIELDS
 from rsgl.sampling_params import FLOAT_FIELDS, INT64_MAX, SamplingParams
 
 # OpenAI bounds logit_bias values to [-100, 100], and to 300 tokens.
@@ -269,7 +269,6 @@ SAMPLING_ALIASES = {
 # Each is accepted at a value that asks for nothing -- null, or what SGLang itself treats
 # as unset -- and refused naming the field otherwise, so that a request never silently gets
 # less than it asked for. Name -> (the values meaning unset, why it is refused when set).
-# The structured-output fields (`json_schema`, `regex`, ...) are `rsgl.structured_output`'s.
 UNSET_ONLY_SAMPLING_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "stop_regex": ((None, "", []), "no stop regexes"),
     "custom_params": ((None, {}), "no custom logit processors"),
@@ -306,9 +305,6 @@ def make_sampling_params(
         raise InvalidRequest(f"n must be an integer in [1, {limits.max_n}], got {n!r}", "n")
     fields: dict[str, Any] = {}
     for key, value in values.items():
-        if key in structured_output.SAMPLING_FIELDS:
-            structured_output.check_unset(key, value)
-            continue
         if key in UNSET_ONLY_SAMPLING_FIELDS:
             _check_unset(key, value)
             continue
@@ -402,6 +398,11 @@ def _typed(name: str, key: str, value: Any, limits: RequestLimits) -> Any:
             raise InvalidRequest(f"{key} must be an integer, got {value!r}", key)
     elif name in _BOOL_FIELDS and type(value) is not bool:
         raise InvalidRequest(f"{key} must be true or false, got {value!r}", key)
+    elif name in CONSTRAINT_FIELDS:
+        if name in ("json_schema", "structural_tag") and isinstance(value, dict | bool):
+            return json.dumps(value)  # SGLang takes JSON text; an object is as good
+        if not isinstance(value, str):
+            raise InvalidRequest(f"{key} must be a string, got {value!r:.60}", key)
     return value
 
 

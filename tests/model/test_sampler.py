@@ -102,6 +102,17 @@ def test_sampling_follows_the_distribution() -> None:
     torch.testing.assert_close(freq, probs, atol=0.015, rtol=0)
 
 
+def test_the_noise_is_never_zero() -> None:
+    # (seed 125, position 0, token 45437) hashes to the largest uniform, which float32 rounds
+    # to 1.0: its noise was 0, so p / 0 won the race whatever p (and 0 / 0 was NaN for a
+    # token a grammar had forbidden, which then won too).
+    noise = exponential_noise(torch.tensor([125]), torch.tensor([0]), 49152)[0]
+    assert noise[45437] > 0 and torch.isfinite(noise).all() and (noise > 0).all()
+    probs = torch.zeros(49152)
+    probs[7] = 1e-3  # the only token allowed, however unlikely
+    assert int((probs / noise).argmax()) == 7
+
+
 def test_top_k_top_p_min_p_filters() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1]] * 3))
     probs = filtered_probs(

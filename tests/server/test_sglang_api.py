@@ -282,10 +282,6 @@ def test_every_sglang_sampling_field_is_accepted_at_its_default(server: str) -> 
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("json_schema", '{"type": "object"}'),
-        ("regex", "[0-9]+"),
-        ("ebnf", 'root ::= "yes"'),
-        ("structural_tag", '{"type": "structural_tag"}'),
         ("stop_regex", ["[0-9]"]),
         ("custom_params", {"bias": 1}),
         ("beam_width", 2),

@@ -477,11 +477,18 @@ def filtered_probs(
     return probs
 
 
+# The largest float32 below 1.
+_BELOW_ONE = 1.0 - 2.0**-24
+
+
 def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """Exp(1) noise [n, vocab], a pure function of (seed, position, token id).
 
     A splitmix64-style integer hash; int64 arithmetic wraps, and the top 24 bits become a
-    uniform in (0, 1).
+    uniform in (0, 1). The largest, (2**24 - 0.5) / 2**24, rounds to 1.0 in float32: it is
+    held just below, or its noise would be 0 and p / 0 would win the race whatever p (a
+    uniformly random token about once in 340 steps over a 49k vocabulary; and 0 / 0, NaN,
+    for a token a grammar forbids).
     """
     key = seeds * -7046029254386353131 + positions * 0x632BE59BD9B4E019
     x = key.unsqueeze(1) + torch.arange(vocab, device=seeds.device) * -4658895280553007687
@@ -491,4 +498,4 @@ def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) 
     x = x * -7723592293110705685
     x = x ^ ((x >> 31) & 0x1FFFFFFFF)
     uniform = (((x >> 40) & 0xFFFFFF).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(uniform)
+    return -torch.log(uniform.clamp_max_(_BELOW_ONE))

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from rsgl._core import FinishReason, Plan, Scheduler
-from rsgl.errors import FatalStepError
+from rsgl.errors import FatalStepError, InvalidRequest
 from rsgl.grammar.backend import GrammarError, Matcher
 from rsgl.grammar.compiler import GrammarCompiler
 from rsgl.grammar.constraint import Constraint
@@ -260,7 +260,7 @@ class SchedulerLoop:
             self._add_to_core(rid, prompt_ids, params, priority)
             return
         if self.grammar is None:
-            raise ValueError(f"{constraint.kind}: {self.grammar_refusal}")
+            raise InvalidRequest(f"{constraint.kind}: {self.grammar_refusal}", constraint.kind)
         future = self.grammar.submit(constraint)
         deadline = time.monotonic() + self.grammar_compile_timeout
         self._compiling[rid] = _Compiling(

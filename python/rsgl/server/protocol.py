@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from rsgl import structured_output
+from rsgl.grammar.constraint import CONSTRAINT_FIELDS
 from rsgl.sampling_params import FLOAT32_MAX, INT64_MAX, SEED_MAX, SEED_MIN, SamplingParams
 from rsgl.validation import CHAT_ROLES, MAX_LOGIT_BIAS, UNSET_ONLY_SAMPLING_FIELDS
 
@@ -108,10 +109,10 @@ def native_sampling_schema() -> dict[str, Any]:
             "anyOf": [{"const": value} for value in unset],
             "description": f"SGLang's; accepted only unset ({why})",
         }
-    for name, unset in structured_output.SAMPLING_FIELDS.items():
+    for name in ("json_schema", "structural_tag"):
         properties[name] = {
-            "anyOf": [{"const": value} for value in unset],
-            "description": "SGLang's; structured output is not supported yet",
+            "anyOf": [{"type": "string"}, {"type": "object"}, {"type": "null"}],
+            "description": "JSON text, or the object itself",
         }
     return {"type": "object", "properties": properties, "additionalProperties": False}
 
@@ -181,6 +182,12 @@ class OpenAIRequest(BaseModel):
     # SGLang's: serve the request on this data-parallel rank (its old and new names).
     data_parallel_rank: int | None = None
     routed_dp_rank: int | None = None
+    # Structured output: OpenAI's response_format, or one of SGLang's constraint extras.
+    response_format: dict[str, Any] | None = None
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
 
     def sampling_params(self) -> dict[str, Any]:
         """SGLang sampling_params for this request (the caller adds max_new_tokens, n and
@@ -202,6 +209,8 @@ class OpenAIRequest(BaseModel):
             "seed": self.seed,
             "logit_bias": self.logit_bias or {},
         }
+        extras: dict[str, Any] = {name: getattr(self, name) for name in CONSTRAINT_FIELDS}
+        params.update(structured_output.constraint_params(self.response_format, extras))
         return params
 
 

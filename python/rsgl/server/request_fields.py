@@ -5,8 +5,8 @@ which `rsgl.Engine` takes too), /tokenize and /detokenize.
 A known field is never silently dropped. It is honoured; or accepted with no effect, when
 it is bookkeeping that changes no answer (each such row says why); or refused with a 400
 naming it when set to anything but a value that asks for nothing (`unset`); or, for
-structured output, refused as "not supported yet" by `rsgl.structured_output`, which the
-work that implements it replaces. Fields nobody knows are ignored, as OpenAI's, vLLM's and
+tool calls, refused as "not supported yet" by `rsgl.structured_output`, which the work that
+implements them replaces. Fields nobody knows are ignored, as OpenAI's, vLLM's and
 SGLang's servers do.
 
 `RULES` is the one statement of all this: the routes refuse what it refuses
@@ -25,6 +25,7 @@ from typing import Any
 
 from rsgl import structured_output
 from rsgl.errors import InvalidRequest
+from rsgl.grammar.constraint import CONSTRAINT_FIELDS
 from rsgl.sampling_params import SamplingParams
 from rsgl.validation import SAMPLING_ALIASES, UNSET_ONLY_SAMPLING_FIELDS
 
@@ -70,7 +71,7 @@ def _sampling_rules() -> list[FieldRule]:
     """/generate's sampling_params, from the code that reads them (`rsgl.validation`); the
     structured-output ones are `_structured_rules`'."""
     fields = (f.name for f in dataclasses.fields(SamplingParams))
-    honoured = ("n", *(f for f in fields if f not in structured_output.SAMPLING_FIELDS))
+    honoured = ("n", *fields)
     aliases = ", ".join(f"`{a}` is `{t}`" for a, t in SAMPLING_ALIASES.items())
     rules = [
         FieldRule(
@@ -90,25 +91,37 @@ def _sampling_rules() -> list[FieldRule]:
 
 
 def _structured_rules() -> list[FieldRule]:
-    """The structured-output fields, refused by `rsgl.structured_output` until it exists;
-    one row per set of endpoints and unset values."""
-    groups: dict[tuple[tuple[str, ...], tuple[str, ...]], list[str]] = {}
+    """Structured output: constraints are honoured; the tool-calling fields are refused by
+    `rsgl.structured_output` until tool calls exist (one row per set of unset values)."""
+    rules = [
+        FieldRule(
+            ("response_format",),
+            OPENAI,
+            H,
+            "`text`, `json_object` (a JSON object), `json_schema` (`name`, `schema`; output "
+            "constrained by --grammar-backend), `structural_tag`",
+        ),
+        FieldRule(
+            CONSTRAINT_FIELDS,
+            OPENAI,
+            H,
+            "SGLang's constraint extras (one per request, or response_format)",
+        ),
+    ]
+    groups: dict[tuple[str, ...], list[str]] = {}
     for name, unset in structured_output.FIELDS.items():
-        if name in structured_output.SAMPLING_FIELDS:
-            where: tuple[str, ...] = (*OPENAI, "sampling_params")
-        else:
-            where = OPENAI if name == "response_format" else ("chat",)
-        groups.setdefault((where, tuple(json.dumps(u) for u in unset)), []).append(name)
-    return [
+        groups.setdefault(tuple(json.dumps(u) for u in unset), []).append(name)
+    rules += [
         FieldRule(
             tuple(names),
-            where,
+            ("chat",),
             Handling.NOT_YET,
-            "structured output (constrained decoding, tool calls)",
+            "tool calls",
             structured_output.FIELDS[names[0]],
         )
-        for (where, _), names in groups.items()
+        for names in groups.values()
     ]
+    return rules
 
 
 RULES: tuple[FieldRule, ...] = (

@@ -1,0 +1,148 @@
+"""Structured outputs through a real server and real clients: the `openai` client's
+`chat.completions.parse` with a pydantic model, `response_format` json_object and
+json_schema on chat and completions, SGLang's extras and /generate's sampling params; bad
+constraints answer 400 in the OpenAI shape with the compiler's message, and the server keeps
+serving."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from launcher import launch, stop
+from pydantic import BaseModel, Field
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    log_path = tmp_path_factory.mktemp("structured") / "server.log"
+    proc, url = launch(log_path, "--max-total-tokens", "20000", "--dtype", "float32")
+    yield url
+    stop(proc, log_path)
+
+
+@pytest.fixture(scope="module")
+def client(server: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0)
+
+
+class City(BaseModel):
+    name: str = Field(max_length=20)
+    country: str = Field(max_length=20)
+    population: int = Field(ge=0, le=100_000_000)
+
+
+def test_openai_parse_returns_a_validated_pydantic_object(client: openai.OpenAI) -> None:
+    done = client.chat.completions.parse(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+        response_format=City,
+        max_tokens=80,
+        temperature=0,
+    )
+    choice = done.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, City)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_object_response_format_gives_a_json_object(
+    client: openai.OpenAI, stream: bool
+) -> None:
+    kw: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "List three colors."}],
+        "response_format": {"type": "json_object"},
+        "max_tokens": 120,
+        "temperature": 0,
+    }
+    if stream:
+        text = "".join(
+            c.choices[0].delta.content or ""
+            for c in client.chat.completions.create(stream=True, **kw)
+        )
+    else:
+        text = client.chat.completions.create(**kw).choices[0].message.content or ""
+    assert isinstance(json.loads(text), dict), text
+
+
+def test_completions_take_a_json_schema_and_sglang_extras(client: openai.OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"enum": ["yes", "no"]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    out = client.completions.create(
+        model=MODEL,
+        prompt="Is the sky blue? Answer in JSON:",
+        max_tokens=40,
+        temperature=0,
+        extra_body={"response_format": fmt},
+    )
+    jsonschema.validate(json.loads(out.choices[0].text), schema)
+    phone = client.completions.create(
+        model=MODEL,
+        prompt="Call me at",
+        max_tokens=20,
+        temperature=0,
+        extra_body={"regex": r" \(\d{3}\) \d{3}-\d{4}"},
+    )
+    assert re.fullmatch(r" \(\d{3}\) \d{3}-\d{4}", phone.choices[0].text)
+    assert phone.choices[0].finish_reason == "stop"
+
+
+def test_generate_takes_sampling_param_constraints(server: str) -> None:
+    body = {
+        "text": "Answer yes or no: is water wet?",
+        "sampling_params": {"ebnf": 'root ::= " yes" | " no"', "max_new_tokens": 8},
+    }
+    out = httpx.post(f"{server}/generate", json=body, timeout=60).json()
+    assert out["text"] in (" yes", " no"), out
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "says"),
+    [
+        ({"regex": "a("}, None, "regex does not compile"),
+        ({"json_schema": '{"type": "objekt"}'}, None, "json_schema does not compile"),
+        ({"regex": "a", "ebnf": 'root ::= "a"'}, "ebnf", "regex and ebnf are both set"),
+        (
+            {"response_format": {"type": "json_object"}, "regex": "a"},
+            "regex",
+            "response_format and regex are both set",
+        ),
+        ({"response_format": {"type": "yaml"}}, "response_format", "not one of text"),
+        ({"json_schema": "{nope"}, "json_schema", "not valid JSON"),
+    ],
+)
+def test_a_bad_constraint_is_a_400_and_the_server_serves_on(
+    client: openai.OpenAI, extra: dict[str, Any], param: str | None, says: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=5, extra_body=extra)
+    error = raised.value.body
+    assert isinstance(error, dict) and says in error["message"], error
+    if param is not None:
+        assert error["param"] == param
+    ok = client.completions.create(model=MODEL, prompt="hi", max_tokens=3)
+    assert ok.choices[0].text is not None
+
+
+def test_tool_calls_are_still_refused_by_name(client: openai.OpenAI) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], tools=[tool]
+        )
+    assert isinstance(raised.value.body, dict) and raised.value.body["param"] == "tools"
