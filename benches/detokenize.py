@@ -3,10 +3,12 @@
 R requests each receive one token per step for S steps; every step is timed alone. Ways:
 
 - `output_processor`: rsgl's output path as the Engine and the server run it
-  (`OutputProcessor.process` over one step's `TokenUpdate`s: byte-table detokenization,
-  stop-string checks, request records, one `Output` per request into its streaming
-  `OutputQueue`; the consumers drain the queues between steps, untimed);
-- `detokenizer`: only its detokenizer, `IncrementalDetokenizer.add` per request token;
+  (`OutputProcessor.process` over one step's `TokenUpdate`s: byte-table detokenization in one
+  Rust call for the step, stop-string checks, request records, one `Output` per request into
+  its streaming `OutputQueue`; the consumers drain the queues between steps, untimed);
+- `detokenizer`: only its detokenizer, one `rsgl._core.Detokenizer.step` per step;
+- `window`: rsgl's path for tokenizers that are not byte-level BPE, one
+  `IncrementalDetokenizer` per request decoding short windows;
 - `batch_decode`: the classic prefix/read-offset method (vLLM, SGLang's detokenizer) with one
   `tokenizer.batch_decode` per step over every request's two windows (transformers decodes
   them one by one in Python);
@@ -18,15 +20,21 @@ Tokens are the embedded SmolLM2 tokenizer's: seeded random ids from its whole vo
 and a multilingual sample) cut at a different place for each request. Each request's last
 token is ".", so no way ends holding half a character (a DecodeStream cannot be flushed).
 Every way's final text must equal `tokenizer.decode` of the request's tokens; the run fails
-otherwise. Prints one JSON line per (tokens, requests).
+otherwise. Prints one JSON line per (tokens, requests). Each way's costs are also given at
+output lengths 512, 4,096 and 32,768 (`--at`): the median of the 256 steps before each, in
+the same run, and how far the largest is above the smallest (`spread`): a way whose cost
+grows with the output shows it there. Every figure is the lowest of `--repeat` runs: on a
+shared machine another process can slow a whole stretch of steps.
 
-    python benches/detokenize.py --requests 64 256 --steps 512
+    python benches/detokenize.py                                  # 32,768 tokens each
+    python benches/detokenize.py --steps 512 --ways output_processor batch_decode decode_batch
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import io
 import json
 import statistics
 import time
@@ -75,15 +83,16 @@ def request_tokens(tokenizer: Any, kind: str, requests: int, steps: int, seed: i
 
 
 def timed_steps(
-    steps: int, step: Callable[[int], None], between: Callable[[], None]
+    steps: int, step: Callable[[int], None], between: Callable[[int], None] = lambda s: None
 ) -> list[float]:
+    """Times `step(s)` for every step; `between(s)` runs untimed after it."""
     gc.collect()
     times = []
     for s in range(steps):
         start = time.perf_counter()
         step(s)
         times.append(time.perf_counter() - start)
-        between()
+        between(s)
     return times
 
 
@@ -94,41 +103,72 @@ def run_output_processor(tokenizer: Any, prompt: list[int], tokens: np.ndarray) 
     for r, queue in enumerate(queues):
         params = SamplingParams(max_new_tokens=steps)
         processor.add(RequestRecord(str(r), prompt, params, queue))
-    # What the loop hands over per step, built before timing (the loop's cost, not this one).
     finish = FinishReason.max_length(steps)
-    updates = [
-        [
-            TokenUpdate(str(r), [int(t)], finish=finish if s == steps - 1 else None)
-            for r, t in enumerate(tokens[:, s])
-        ]
-        for s in range(steps)
-    ]
-    texts: list[list[str]] = [[] for _ in range(requests)]
+    rids = [str(r) for r in range(requests)]
+    texts = [io.StringIO() for _ in range(requests)]
 
-    def consume() -> None:
-        for queue, parts in zip(queues, texts, strict=True):
+    def updates(s: int) -> list[TokenUpdate]:
+        """What the loop hands over at step `s`."""
+        last = finish if s == steps - 1 else None
+        column = tokens[:, s].tolist()
+        return [TokenUpdate(r, [t], finish=last) for r, t in zip(rids, column, strict=True)]
+
+    # Each step's updates are built before it is timed (the loop's cost, not this one).
+    pending = [updates(0)]
+
+    def between(s: int) -> None:
+        for queue, text in zip(queues, texts, strict=True):
             if queue.qsize():
-                parts.append(next(iter(queue)).text)
+                text.write(next(iter(queue)).text)
+        if s + 1 < steps:
+            pending[0] = updates(s + 1)
 
-    times = timed_steps(steps, lambda s: processor.process(updates[s]), consume)
-    return times, ["".join(parts) for parts in texts]
+    times = timed_steps(steps, lambda s: processor.process(pending[0]), between)
+    return times, [t.getvalue() for t in texts]
 
 
 def run_detokenizer(tokenizer: Any, prompt: list[int], tokens: np.ndarray) -> Result:
     requests, steps = tokens.shape
     table = ByteTable.of(tokenizer)
-    detoks = [IncrementalDetokenizer(tokenizer, prompt, [], table=table) for _ in range(requests)]
-    rows = tokens.T.tolist()
-    texts: list[list[str]] = [[] for _ in range(requests)]
+    assert table is not None
+    detok = table.detokenizer()
+    handles = [detok.add() for _ in range(requests)]
+    texts = [io.StringIO() for _ in range(requests)]
+    # Step s's tokens, one list per request, built untimed before it (as the loop's updates).
+    pending = [[[t] for t in tokens[:, 0].tolist()]]
+    deltas: list[list[str]] = [[]]
 
     def step(s: int) -> None:
-        for detok, parts, token in zip(detoks, texts, rows[s], strict=True):
-            parts.append(detok.add(token))
+        deltas[0] = detok.step(handles, pending[0])[0]
 
-    times = timed_steps(steps, step, lambda: None)
-    return times, [
-        "".join(parts) + detok.finish() for parts, detok in zip(texts, detoks, strict=True)
-    ]
+    def between(s: int) -> None:
+        for text, delta in zip(texts, deltas[0], strict=True):
+            text.write(delta)
+        if s + 1 < steps:
+            pending[0] = [[t] for t in tokens[:, s + 1].tolist()]
+
+    times = timed_steps(steps, step, between)
+    return times, [t.getvalue() + detok.finish(h) for t, h in zip(texts, handles, strict=True)]
+
+
+def run_window(tokenizer: Any, prompt: list[int], tokens: np.ndarray) -> Result:
+    requests, steps = tokens.shape
+    detoks = [IncrementalDetokenizer(tokenizer, prompt, []) for _ in range(requests)]
+    texts = [io.StringIO() for _ in range(requests)]
+    pending = [tokens[:, 0].tolist()]
+    deltas: list[list[str]] = [[]]
+
+    def step(s: int) -> None:
+        deltas[0] = [detok.add(token) for detok, token in zip(detoks, pending[0], strict=True)]
+
+    def between(s: int) -> None:
+        for text, delta in zip(texts, deltas[0], strict=True):
+            text.write(delta)
+        if s + 1 < steps:
+            pending[0] = tokens[:, s + 1].tolist()
+
+    times = timed_steps(steps, step, between)
+    return times, [t.getvalue() + d.finish() for t, d in zip(texts, detoks, strict=True)]
 
 
 def run_offsets(
@@ -156,7 +196,7 @@ def run_offsets(
                 texts[r].append(new[len(old) :])
                 prefix[r], read[r] = read[r], len(ids[r])
 
-    times = timed_steps(steps, step, lambda: None)
+    times = timed_steps(steps, step)
     for r in range(requests):  # the rest, as at a request's end
         old, new = decode_batch([ids[r][prefix[r] : read[r]], ids[r][prefix[r] :]])
         if len(new) > len(old):
@@ -191,13 +231,14 @@ def run_decode_stream(tokenizer: Any, prompt: list[int], tokens: np.ndarray) -> 
             if chunk is not None:
                 parts.append(chunk)
 
-    times = timed_steps(steps, step, lambda: None)
+    times = timed_steps(steps, step)
     return times, ["".join(parts) for parts in texts]
 
 
 WAYS: dict[str, Callable[[Any, list[int], np.ndarray], Result]] = {
     "output_processor": run_output_processor,
     "detokenizer": run_detokenizer,
+    "window": run_window,
     "batch_decode": run_batch_decode,
     "decode_batch": run_decode_batch,
 }
@@ -205,44 +246,86 @@ if HAS_DECODE_STREAM:
     WAYS["decode_stream"] = run_decode_stream
 
 
-def measure(tokenizer: Any, kind: str, requests: int, steps: int, seed: int = 0) -> dict[str, Any]:
-    """Every way over the same tokens; raises AssertionError if any final text differs from
-    `tokenizer.decode` of the request's tokens."""
+# rsgl's own ways: what the default run measures.
+RSGL_WAYS = ["output_processor", "detokenizer", "window"]
+# Output lengths at which a run reports its cost: the steps of a window ending there.
+AT = [512, 4096, 32768]
+WINDOW = 256
+
+
+def measure(
+    tokenizer: Any,
+    kind: str,
+    requests: int,
+    steps: int,
+    seed: int = 0,
+    ways: list[str] | None = None,
+    at: list[int] | None = None,
+    repeat: int = 1,
+) -> dict[str, Any]:
+    """The `ways` (all by default) over the same tokens, `repeat` times each; raises
+    AssertionError if any final text differs from `tokenizer.decode` of the request's
+    tokens. Each figure is the lowest of the repeats (other processes only ever add time).
+    With `at`, each way also gives its median cost in the WINDOW steps before each of those
+    output lengths (within a run), and how far the largest is above the smallest."""
     tokens = request_tokens(tokenizer, kind, requests, steps, seed)
     want = tokenizer.batch_decode(tokens.tolist(), skip_special_tokens=True)
     prompt = tokenizer.encode(PROMPT)
+    lengths = [n for n in at or [] if n <= steps]
     result: dict[str, Any] = {"tokens": kind, "requests": requests, "steps": steps, "ways": {}}
-    for name, run in WAYS.items():
-        times, texts = run(tokenizer, prompt, tokens)
-        wrong = [r for r in range(requests) if texts[r] != want[r]]
-        if wrong:
-            r = wrong[0]
-            raise AssertionError(
-                f"{name} ({kind}): {len(wrong)} requests' texts differ from the decode, "
-                f"request {r}: {texts[r]!r} != {want[r]!r}"
-            )
-        mean = statistics.fmean(times)
-        result["ways"][name] = {
-            "us_per_step": round(mean * 1e6, 1),
-            "us_per_step_p50": round(statistics.median(times) * 1e6, 1),
-            "us_per_request_token": round(mean / requests * 1e6, 3),
+    for name in ways or list(WAYS):
+        runs = []
+        for _ in range(repeat):
+            times, texts = WAYS[name](tokenizer, prompt, tokens)
+            wrong = [r for r in range(requests) if texts[r] != want[r]]
+            if wrong:
+                r = wrong[0]
+                raise AssertionError(
+                    f"{name} ({kind}): {len(wrong)} requests' texts differ from the decode, "
+                    f"request {r}: {texts[r]!r} != {want[r]!r}"
+                )
+            runs.append(times)
+        us = 1e6 / requests  # seconds per step -> µs per request-token
+        figures: dict[str, Any] = {
+            "us_per_step": round(min(map(statistics.fmean, runs)) * 1e6, 1),
+            "us_per_step_p50": round(min(map(statistics.median, runs)) * 1e6, 1),
+            "us_per_request_token": round(min(map(statistics.fmean, runs)) * us, 3),
+            "us_per_request_token_p50": round(min(map(statistics.median, runs)) * us, 3),
         }
+        if lengths:
+            # The last step finishes every request: not a decode step like the others.
+            cost = {
+                n: min(statistics.median(t[max(0, n - WINDOW) : min(n, steps - 1)]) for t in runs)
+                * us
+                for n in lengths
+            }
+            figures["us_per_request_token_p50_at"] = {n: round(c, 3) for n, c in cost.items()}
+            figures["spread"] = round(max(cost.values()) / min(cost.values()) - 1, 3)
+        result["ways"][name] = figures
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, nargs="+", default=[64, 256])
-    parser.add_argument("--steps", type=int, default=512)
+    parser.add_argument("--requests", type=int, nargs="+", default=[256])
+    parser.add_argument("--steps", type=int, default=max(AT))
     parser.add_argument(
         "--tokens", nargs="+", choices=["random", "text"], default=["random", "text"]
     )
+    parser.add_argument("--ways", nargs="+", choices=list(WAYS), default=RSGL_WAYS)
+    parser.add_argument(
+        "--at", type=int, nargs="*", default=AT, help="output lengths to report the cost at"
+    )
+    parser.add_argument("--repeat", type=int, default=3, help="runs per way; the lowest counts")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     tokenizer = load_tokenizer(resolve_model_dir(None))
     for kind in args.tokens:
         for requests in args.requests:
-            print(json.dumps(measure(tokenizer, kind, requests, args.steps, args.seed)), flush=True)
+            result = measure(
+                tokenizer, kind, requests, args.steps, args.seed, args.ways, args.at, args.repeat
+            )
+            print(json.dumps(result), flush=True)
     return 0
 
 

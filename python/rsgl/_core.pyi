@@ -3,7 +3,7 @@
 Checked against the built module by `mypy.stubtest` in `make lint`.
 """
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal, TypeAlias, final, overload
 
 import numpy as np
@@ -11,6 +11,7 @@ import numpy.typing as npt
 
 __all__ = [
     "FUTURE_TOKEN",
+    "Detokenizer",
     "FinishReason",
     "Finished",
     "Outcome",
@@ -253,3 +254,45 @@ class TokenPool:
         """Returns slots (whole pages) to the pool."""
     @property
     def available(self) -> int: ...
+
+@final
+class Detokenizer:
+    """Incremental detokenization of byte-level BPE output for every running request: one
+    step's text deltas and stop strings in one call.
+
+    Built once from every token's bytes (`token_bytes[i]` is token `i`'s) and the special
+    ids. `add` starts a request's text and returns its handle; `step` takes one step's new
+    tokens of many requests; `finish` returns what is held back once a request is over;
+    `remove` forgets it. Streamed text concatenates to the tokenizer's `decode` (invalid
+    UTF-8 as `bytes.decode("utf-8", "replace")` shows it, an incomplete character at the
+    end dropped), cut where the first stop string starts (after it with `no_stop_trim`).
+    """
+
+    def __new__(
+        cls, token_bytes: Sequence[bytes], special: Iterable[int] | None = None
+    ) -> Detokenizer: ...
+    def add(
+        self,
+        stop: Sequence[str] = ...,
+        skip_special_tokens: bool = True,
+        no_stop_trim: bool = False,
+    ) -> int:
+        """Starts a request's text; returns its handle."""
+    def step(
+        self, handles: Sequence[int], token_ids: Sequence[Sequence[int]]
+    ) -> tuple[list[str], list[tuple[int, int, str]]]:
+        """`token_ids[i]` are request `handles[i]`'s new tokens. Returns each one's newly
+        final text, and `(i, tokens, stop)` for each whose text reached stop string `stop`
+        with its `tokens`-th new token (the later ones are not its text). An id beyond the
+        table has no text. KeyError, taking nothing, if a handle is unknown."""
+    def matched_stop(self, handle: int) -> str | None:
+        """The stop string that ended a request's text, or None."""
+    def finish(self, handle: int) -> str:
+        """The rest of a request's text once it is over (what was held back)."""
+    def remove(self, handle: int) -> None:
+        """Forgets a request; its handle becomes unknown."""
+    @property
+    def vocab_size(self) -> int:
+        """Tokens in the table."""
+    def __len__(self) -> int:
+        """Requests added and not yet removed."""

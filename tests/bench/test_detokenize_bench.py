@@ -30,7 +30,8 @@ def bench() -> ModuleType:
 def test_every_way_gives_the_same_text(
     bench: ModuleType, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert bench.main(["--requests", "3", "5", "--steps", "40"]) == 0
+    argv = ["--requests", "3", "5", "--steps", "40", "--ways", *bench.WAYS, "--at", "--repeat", "1"]
+    assert bench.main(argv) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(r["tokens"], r["requests"]) for r in lines] == [
         ("random", 3),
@@ -39,9 +40,22 @@ def test_every_way_gives_the_same_text(
         ("text", 5),
     ]
     for r in lines:
-        assert set(r["ways"]) == set(bench.WAYS) >= {"output_processor", "batch_decode"}
+        assert set(r["ways"]) == set(bench.WAYS) >= {"output_processor", "batch_decode", "window"}
         for figures in r["ways"].values():
             assert figures["us_per_step"] > 0 and figures["us_per_request_token"] > 0
+
+
+def test_each_way_reports_its_cost_at_several_output_lengths(
+    bench: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--requests", "2", "--steps", "32", "--at", "8", "32", "64", "--tokens", "text"]
+    argv += ["--repeat", "2"]
+    assert bench.main(argv) == 0
+    (line,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert set(line["ways"]) == set(bench.RSGL_WAYS)
+    for way in line["ways"].values():
+        assert set(way["us_per_request_token_p50_at"]) == {"8", "32"}  # 64: beyond the run
+        assert way["spread"] >= 0
 
 
 def test_a_way_that_loses_a_token_is_caught(

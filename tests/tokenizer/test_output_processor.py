@@ -328,3 +328,49 @@ def test_each_output_carries_the_logprobs_of_its_own_tokens(tokenizer: Any):
     assert len(kept) == chunks[-1].meta["completion_tokens"] < len(ids)
     h.processor.process([TokenUpdate("b", [], finish=FinishReason.max_length(len(ids)))])
     assert all(c.logprobs is None for c in h.queues["b"])
+
+
+def test_a_stop_string_inside_a_multi_token_update_keeps_the_tokens_up_to_it(tokenizer: Any):
+    h = Harness(tokenizer)
+    h.add("a", [], stop=[" three"], return_logprob=True)
+    ids = tokenizer.encode("one two three four five")
+    entries = [{"token_id": t, "logprob": -1.0} for t in ids]
+    h.processor.process([TokenUpdate("a", ids, logprobs=entries)])  # all in one step
+    out = h.result("a")
+    assert out.text == "one two"
+    assert tokenizer.decode(out.token_ids) == "one two three"
+    assert out.token_ids == ids[: len(out.token_ids)] and len(out.token_ids) < len(ids)
+    assert out.meta is not None and out.meta["completion_tokens"] == len(out.token_ids)
+    assert out.logprobs == entries[: len(out.token_ids)]
+    assert h.stops == [("a", " three")]
+
+
+def test_a_step_that_cannot_be_detokenized_ends_its_requests_with_a_500(tokenizer: Any):
+    h = Harness(tokenizer)
+    h.add("a", [])
+    h.add("b", [])
+    detokenizer = h.processor.detokenizer
+    assert detokenizer is not None, "SmolLM2's tokenizer is byte-level BPE"
+    detokenizer.remove(h.processor.records["b"].text_handle)  # a planted bookkeeping bug
+    h.processor.process([TokenUpdate("a", [100]), TokenUpdate("b", [101])])
+    for rid in ("a", "b"):
+        meta = h.result(rid).meta
+        assert meta is not None and meta["finish_reason"]["status_code"] == 500
+    assert not h.processor.records and len(detokenizer) == 0
+
+
+def test_the_observer_sees_each_token_before_it_becomes_the_last(tokenizer: Any):
+    seen: list[float | None] = []
+
+    class Watch:
+        def on_tokens(self, record: RequestRecord, count: int, now: float) -> None:
+            seen.append(record.last_token_at)  # None: the first token (time to first token)
+
+        def on_finish(self, record: RequestRecord, meta: dict[str, Any]) -> None:
+            pass
+
+    processor = OutputProcessor(tokenizer, on_stop=lambda r, m: None, observer=Watch())
+    processor.add(RequestRecord("a", [], SamplingParams(), OutputQueue()))
+    for t in tokenizer.encode(" one two"):
+        processor.process([TokenUpdate("a", [t])])
+    assert seen[0] is None and all(s is not None for s in seen[1:]) and len(seen) > 1

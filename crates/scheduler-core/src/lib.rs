@@ -1,9 +1,12 @@
-//! rsgl's scheduling core: all CPU-side bookkeeping of an SGLang-style LLM scheduler.
+//! rsgl's scheduling core: all CPU-side bookkeeping of an SGLang-style LLM scheduler, and
+//! the per-step work on its output that Python would do per request (batched incremental
+//! detokenization with stop strings, [`detokenize`]).
 //!
 //! Pure Rust; the PyO3 bindings live in [`python`] behind the `python` feature, so
 //! `cargo test` and `cargo bench` need no Python.
 
 pub mod budget;
+pub mod detokenize;
 pub mod policy;
 pub mod pool;
 pub mod radix;
@@ -13,6 +16,9 @@ pub mod scheduler;
 #[cfg(feature = "python")]
 mod python;
 
+pub use detokenize::{
+    ByteTable, Delta, DetokenizeError, Detokenizer, StopMatch, TextHandle, TextOptions,
+};
 pub use policy::Policy;
 pub use pool::{ReqSlotPool, Slot, TokenPool};
 pub use radix::{NodeId, RadixTree, ROOT};

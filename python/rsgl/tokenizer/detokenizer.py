@@ -3,22 +3,24 @@
 Decoding each request's whole output every step costs O(n^2). Two incremental ways instead:
 
 - byte-level BPE tokenizers (GPT-2, Llama 3, Qwen, SmolLM: a `ByteLevel` decoder) map every
-  token to fixed bytes, so a step's text is one table lookup fed to an incremental UTF-8
-  decoder, which holds back a character split across tokens by itself;
-- any other tokenizer decodes a short window per step: the tokens since the last emitted
-  text plus a few before them for context, released only once the text no longer ends in
-  U+FFFD (a multi-byte character still incomplete).
+  token to fixed bytes: a `ByteTable` of them feeds `rsgl._core.Detokenizer`, which decodes
+  one step's tokens of every request in one call (incremental UTF-8, stop strings);
+- any other tokenizer decodes a short window per step (`IncrementalDetokenizer`): the
+  tokens since the last emitted text plus a few before them for context, released only
+  once the text no longer ends in U+FFFD (a multi-byte character still incomplete).
 
 Both give exactly the tokenizer's `decode` (tests/tokenizer check it). While a stop string
 could still be completing, the tail that might be its start is held back, so streamed chunks
-always concatenate to the final text.
+always concatenate to the final text. Both keep only that tail and the tokens not yet
+decoded, so a token costs the same however long the output already is.
 """
 
 from __future__ import annotations
 
-import codecs
 from collections.abc import Callable
 from typing import Any, Protocol
+
+from rsgl._core import Detokenizer
 
 # Tokens of context decoded before the new ones (byte-level BPE and sentencepiece both need
 # some left context to place spaces correctly).
@@ -91,15 +93,24 @@ class ByteTable:
         special = frozenset(i for i, t in added.items() if t.special)
         return cls(table, special)
 
+    def detokenizer(self) -> Detokenizer:
+        """A batched detokenizer over this table (no requests yet)."""
+        return Detokenizer(self.token_bytes, self.special)
+
+
+# What a request's tokens of one step made: newly final text, and (tokens, stop string) when
+# a stop string was completed by the `tokens`-th of them (the later ones are not its text).
+Delta = tuple[str, tuple[int, str] | None]
+
 
 class IncrementalDetokenizer:
-    """One request's output text, built token by token.
+    """One request's output text, built token by token, for tokenizers without a
+    `ByteTable` (decoded windows).
 
     `add(token)` returns the text that became final; `finish()` returns what is left. A stop
     string found in the text ends it there (the string itself is trimmed, unless
     `no_stop_trim`) and is reported in `matched_stop`. `tokenizer` is a HF tokenizer or a
-    `DecodeFn` (`fast_decode` of one, shared by all requests); with a `ByteTable` of it, the
-    byte-level path is taken.
+    `DecodeFn` (`fast_decode` of one, shared by all requests).
     """
 
     def __init__(
@@ -109,7 +120,6 @@ class IncrementalDetokenizer:
         stop: list[str],
         skip_special_tokens: bool = True,
         no_stop_trim: bool = False,
-        table: ByteTable | None = None,
     ) -> None:
         # HF tokenizers are callable too (they encode): tell them apart by `decode`.
         self.decode: DecodeFn = (
@@ -119,82 +129,79 @@ class IncrementalDetokenizer:
         self.no_stop_trim = no_stop_trim
         self.stop = [s for s in stop if s]
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
-        self.text = ""  # decoded so far (stop strings not yet applied to the held tail)
-        self.emitted = 0  # characters of `text` already returned
+        # Decoded text not released yet: at most `holdback` characters between tokens (every
+        # earlier character was released because no stop string can start there).
+        self.held = ""
         self.matched_stop: str | None = None
-        self.table = table
-        if table is not None:
-            self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        else:
-            self.ids: list[int] = list(prompt_ids[-CONTEXT_TOKENS:])
-            self.prefix_offset = 0
-            self.read_offset = len(self.ids)
+        # The window: context tokens, then from `read_offset` on those whose text is not
+        # final yet. Tokens before the context are dropped as the window moves on.
+        self.ids: list[int] = list(prompt_ids[-CONTEXT_TOKENS:])
+        self.read_offset = len(self.ids)
 
     def add(self, token: int) -> str:
         """Account one output token; returns newly final text ("" while holding back)."""
         if self.matched_stop is not None:
             return ""
-        new = self._bytes_text(token) if self.table is not None else self._window_text(token)
+        new = self._window_text(token)
         if not new:
             return ""
-        start = len(self.text)
-        self.text += new
-        if self._find_stop(start):
-            return self._release(len(self.text))
-        return self._release(len(self.text) - self.holdback)
+        self.held += new
+        if self._find_stop():
+            return self._release(len(self.held))
+        return self._release(len(self.held) - self.holdback)
 
-    def _bytes_text(self, token: int) -> str:
-        table = self.table
-        assert table is not None
-        if self.skip_special_tokens and token in table.special:
-            return ""
-        return self._utf8.decode(table.token_bytes[token])
+    def push(self, tokens: list[int]) -> Delta:
+        """One step's tokens at once, as `rsgl._core.Detokenizer.step` gives them."""
+        parts = []
+        for i, token in enumerate(tokens):
+            parts.append(self.add(token))
+            if self.matched_stop is not None:
+                return "".join(parts), (i + 1, self.matched_stop)
+        return "".join(parts), None
 
     def _window_text(self, token: int) -> str:
         self.ids.append(token)
-        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset :])
+        prefix = self._decode(self.ids[: self.read_offset])
+        full = self._decode(self.ids)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""  # nothing new yet, or a character still incomplete
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        # The tokens just decoded are the next window's context.
+        del self.ids[: self.read_offset]
+        self.read_offset = len(self.ids)
         return full[len(prefix) :]
 
     def _decode(self, ids: list[int]) -> str:
         return self.decode(ids, self.skip_special_tokens)
 
-    def _find_stop(self, new_from: int) -> bool:
-        """Looks for a stop string that ends in the new text; cuts the text after it."""
-        if not self.stop:
-            return False
-        window_start = max(0, new_from - self.holdback)
+    def _find_stop(self) -> bool:
+        """Looks for a stop string in the held text (the one starting first, the first
+        listed among equal starts); cuts the text after it."""
         best: tuple[int, str] | None = None
         for s in self.stop:
-            i = self.text.find(s, window_start)
+            i = self.held.find(s)
             if i != -1 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:
             return False
         end = best[0] + len(best[1]) if self.no_stop_trim else best[0]
-        self.text = self.text[:end]
+        self.held = self.held[:end]
         self.matched_stop = best[1]
         return True
 
     def _release(self, upto: int) -> str:
-        upto = max(upto, self.emitted)
-        chunk = self.text[self.emitted : upto]
-        self.emitted = upto
+        if upto <= 0:
+            return ""
+        chunk, self.held = self.held[:upto], self.held[upto:]
         return chunk
 
     def finish(self) -> str:
         """The rest of the text once the request is over (held-back tail included). An
         incomplete character at the very end is dropped rather than shown as U+FFFD."""
         if self.matched_stop is None:
-            if self.table is not None:
-                self.text += self._utf8.decode(b"", final=True).rstrip("\ufffd")
-            else:
-                tail = self._decode(self.ids[self.prefix_offset :])
-                prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-                if len(tail) > len(prefix):
-                    self.text += tail[len(prefix) :].rstrip("\ufffd")
-                    self.read_offset = len(self.ids)
-        return self._release(len(self.text))
+            tail = self._decode(self.ids)
+            prefix = self._decode(self.ids[: self.read_offset])
+            if len(tail) > len(prefix):
+                self.held += tail[len(prefix) :].rstrip("\ufffd")
+                del self.ids[: self.read_offset]
+                self.read_offset = len(self.ids)
+        return self._release(len(self.held))

@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 # frontend starts its stall clock below this (`rsgl.server.frontend.STREAM_BACKLOG_LIMIT`).
 MAX_WAITING_OUTPUTS = 128
 
+# The abort message of a request whose output could not be processed (status 500).
+PROCESSING_FAILED = "internal error processing the output"
+
 
 class OutputQueue:
     """One request's outputs on their way to its consumer.
@@ -204,6 +207,9 @@ class RequestRecord:
     cached_tokens: int = 0
     queue_time: float | None = None
     logprobs: list[dict[str, Any]] = field(default_factory=list)
+    # Its text: a handle in the processor's batched `Detokenizer` (byte-level BPE), or its
+    # own decoded-window detokenizer (any other tokenizer).
+    text_handle: int = -1
     detok: IncrementalDetokenizer | None = None
     # The server's watch over it: when it times out (--request-timeout-s), the response
     # task streaming it, since when that client has not kept up.
@@ -238,7 +244,10 @@ class OutputProcessor:
         observer: Observer | None = None,
     ) -> None:
         self.decode = fast_decode(tokenizer)
-        self.table = ByteTable.of(tokenizer)  # None: not byte-level BPE (decode windows)
+        # Byte-level BPE: every request's text of a step in one call to the Rust core; any
+        # other tokenizer: one decoded-window detokenizer per request.
+        table = ByteTable.of(tokenizer)
+        self.detokenizer = table.detokenizer() if table is not None else None
         self.on_stop = on_stop
         self.observer = observer
         self.records: dict[str, RequestRecord] = {}
@@ -250,62 +259,89 @@ class OutputProcessor:
         p = record.params
         if p.stream_interval:
             record.queue.use_interval(p.stream_interval)
-        record.detok = IncrementalDetokenizer(
-            self.decode,
-            record.prompt_ids,
-            p.stop,
-            p.skip_special_tokens,
-            p.no_stop_trim,
-            self.table,
-        )
+        if self.detokenizer is not None:
+            record.text_handle = self.detokenizer.add(p.stop, p.skip_special_tokens, p.no_stop_trim)
+        else:
+            record.detok = IncrementalDetokenizer(
+                self.decode, record.prompt_ids, p.stop, p.skip_special_tokens, p.no_stop_trim
+            )
         self.records[record.rid] = record
 
     def process(self, updates: Sequence[TokenUpdate]) -> None:
         """One step's updates: text deltas out, finished requests completed."""
         now = time.perf_counter()
+        batch: list[tuple[RequestRecord, TokenUpdate]] = []
+        handles: list[int] = []
+        text_ids: list[list[int]] = []
         for update in updates:
             record = self.records.get(update.rid)
             if record is None:
                 continue  # ended here already (a stop string, an abort)
+            ids = update.token_ids
+            finish = update.finish
+            # As SGLang: the text of a request stopped by a token leaves that token out.
+            if finish is not None and finish.matched_token is not None and ids:
+                ids = ids if record.params.no_stop_trim else ids[:-1]
+            batch.append((record, update))
+            handles.append(record.text_handle)
+            text_ids.append(ids)
+        if not batch:
+            return
+        texts: list[str] | None = None
+        stops: dict[int, tuple[int, str]] | None = None
+        if self.detokenizer is not None:
             try:
-                self._apply(record, update, now)
+                texts, stopped = self.detokenizer.step(handles, text_ids)
+            except Exception:  # a bug: end the step's requests rather than leave them hanging
+                logger.exception("a step's output could not be detokenized")
+                for record, _ in batch:
+                    self.end(record.rid, FinishReason.abort(PROCESSING_FAILED, 500), text="")
+                return
+            if stopped:
+                stops = {i: (tokens, matched) for i, tokens, matched in stopped}
+        for i, (record, update) in enumerate(batch):
+            try:
+                if texts is None:  # not byte-level: the request decodes its own windows
+                    assert record.detok is not None
+                    text, stop = record.detok.push(text_ids[i])
+                else:
+                    text, stop = texts[i], stops.get(i) if stops else None
+                self._apply(record, update, text, stop, now)
             except Exception:  # one request's failure stays its own
                 logger.exception("request %s: its output could not be processed", record.rid)
-                reason = FinishReason.abort("internal error processing the output", 500)
-                self.end(record.rid, reason, text="")
+                self.end(record.rid, FinishReason.abort(PROCESSING_FAILED, 500), text="")
 
-    def _apply(self, record: RequestRecord, update: TokenUpdate, now: float) -> None:
+    def _apply(
+        self,
+        record: RequestRecord,
+        update: TokenUpdate,
+        text: str,
+        stop: tuple[int, str] | None,
+        now: float,
+    ) -> None:
+        """One request's update and its new text to its consumer; `stop` is (tokens, stop
+        string) when a stop string ended the text with the update's `tokens`-th token."""
         ids = update.token_ids
         if update.cached_tokens is not None:
             record.cached_tokens = update.cached_tokens
         if update.queue_time is not None and record.queue_time is None:
             record.queue_time = update.queue_time
-        if ids and self.observer is not None:
-            self.observer.on_tokens(record, len(ids), now)
         if ids:
+            if self.observer is not None:  # before `last_token_at` moves: it times from there
+                self.observer.on_tokens(record, len(ids), now)
             record.last_token_at = now
-        finish = update.finish
-        # As SGLang: the text of a request stopped by a token leaves that token out.
-        trim = finish is not None and finish.matched_token is not None
-        text_ids = ids[:-1] if trim and ids and not record.params.no_stop_trim else ids
-        detok = record.detok
-        assert detok is not None
-        parts = []
-        for i, token in enumerate(text_ids):
-            parts.append(detok.add(token))
-            matched = detok.matched_stop
-            if matched is not None:
-                kept = ids[: i + 1]
-                output = Output("".join(parts), kept, logprobs=self._account(record, update, i + 1))
-                self.on_stop(record.rid, matched)
-                self._complete(record, output, FinishReason.stop_str(matched))
-                return
-        output = Output("".join(parts), ids, logprobs=self._account(record, update, len(ids)))
-        if finish is None:
+        if stop is not None:
+            kept, matched = stop
+            output = Output(text, ids[:kept], logprobs=self._account(record, update, kept))
+            self.on_stop(record.rid, matched)
+            self._complete(record, output, FinishReason.stop_str(matched))
+            return
+        output = Output(text, ids, logprobs=self._account(record, update, len(ids)))
+        if update.finish is None:
             record.queue.put(output)
             return
         output.text += self._rest_of_text(record)
-        self._complete(record, output, finish)
+        self._complete(record, output, update.finish)
 
     @staticmethod
     def _account(
@@ -334,14 +370,20 @@ class OutputProcessor:
         """The held-back tail of a request's text; "" if decoding it fails (an error path
         must not fail the same way again)."""
         try:
-            assert record.detok is not None
-            return record.detok.finish()
+            if record.detok is not None:
+                return record.detok.finish()
+            assert self.detokenizer is not None
+            return self.detokenizer.finish(record.text_handle)
         except Exception:
             logger.exception("request %s: the end of its text could not be decoded", record.rid)
             return ""
 
     def _complete(self, record: RequestRecord, output: Output, reason: FinishReason) -> None:
         del self.records[record.rid]
+        if self.detokenizer is not None:
+            # Already gone only where a failed step ends its requests.
+            with contextlib.suppress(KeyError):
+                self.detokenizer.remove(record.text_handle)
         meta = make_meta(record, reason)
         output.meta = meta
         if self.observer is not None:

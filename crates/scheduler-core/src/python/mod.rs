@@ -14,6 +14,7 @@ use crate::request::{FinishReason, SamplingLimits};
 use crate::scheduler::{AbortStatus, CoreError, Finished, Scheduler, SchedulerConfig};
 
 mod convert;
+mod detokenizer;
 mod finish_reason;
 mod plan;
 mod pool;
@@ -21,6 +22,7 @@ mod radix;
 mod scheduler;
 
 use convert::*;
+use detokenizer::*;
 use finish_reason::*;
 use plan::*;
 use pool::*;
@@ -38,6 +40,7 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(default_config, m)?)?;
     m.add_class::<PyRadixTree>()?;
     m.add_class::<PyTokenPool>()?;
+    m.add_class::<PyDetokenizer>()?;
     m.add("FUTURE_TOKEN", crate::scheduler::FUTURE_TOKEN)?;
     Ok(())
 }
