@@ -9,7 +9,8 @@
 - `throughput` (with `--model`, the embedded model by default): `--num-prompts` requests
   generated at once, each constrained by a corpus schema, against the same requests free with
   the same output lengths (each free request generates exactly as many tokens as its
-  constrained twin, `ignore_eos`); output tokens/s of both and their ratio, in one process.
+  constrained twin, `ignore_eos`), alternated `--rounds` times in one process: output
+  tokens/s of both (medians) and the ratio of each pair.
 
     rsgl bench grammar --backends xgrammar llguidance --json
     rsgl bench grammar --parts masks compile
@@ -124,7 +125,12 @@ def bench_compile(make: Any, corpus: dict[str, Any], rounds: int) -> dict[str, A
 
 
 def bench_throughput(
-    backend: str, corpus: dict[str, Any], num_prompts: int, max_new_tokens: int, model: str | None
+    backend: str,
+    corpus: dict[str, Any],
+    num_prompts: int,
+    max_new_tokens: int,
+    model: str | None,
+    rounds: int = 3,
 ) -> dict[str, Any]:
     from rsgl.engine import Engine
 
@@ -142,25 +148,33 @@ def bench_throughput(
     ]
     with Engine(model, grammar_backend=backend, max_total_tokens=65536) as engine:
         engine.generate(prompts[:2], constrained[:2], use_tqdm=False)  # compile, warm up
-        engine.generate(prompts, constrained, use_tqdm=False)  # every grammar compiled
-        fill_before = engine._loop.mask_fill_seconds
-        start = time.perf_counter()
-        outs = engine.generate(prompts, constrained, use_tqdm=False)
-        constrained_s = time.perf_counter() - start
-        fill_s = engine._loop.mask_fill_seconds - fill_before
+        outs = engine.generate(prompts, constrained, use_tqdm=False)  # every grammar compiled
         lengths = [o["meta_info"]["completion_tokens"] for o in outs]
         free = [{"max_new_tokens": n, "ignore_eos": True, "temperature": 0} for n in lengths]
-        start = time.perf_counter()
-        engine.generate(prompts, free, use_tqdm=False)
-        free_s = time.perf_counter() - start
+        times: dict[str, list[float]] = {"constrained": [], "free": []}
+        fills: list[float] = []
+        for _ in range(rounds):  # alternating, so drifting load hits both alike
+            fill_before = engine._loop.mask_fill_seconds
+            start = time.perf_counter()
+            engine.generate(prompts, constrained, use_tqdm=False)
+            times["constrained"].append(time.perf_counter() - start)
+            fills.append(engine._loop.mask_fill_seconds - fill_before)
+            start = time.perf_counter()
+            engine.generate(prompts, free, use_tqdm=False)
+            times["free"].append(time.perf_counter() - start)
     tokens = sum(lengths)
+    constrained_s = statistics.median(times["constrained"])
+    free_s = statistics.median(times["free"])
+    ratios = sorted(f / c for c, f in zip(times["constrained"], times["free"], strict=True))
     return {
         "num_prompts": num_prompts,
         "output_tokens": tokens,
+        "rounds": rounds,
         "constrained_tok_s": round(tokens / constrained_s, 1),
         "free_tok_s": round(tokens / free_s, 1),
-        "ratio": round(free_s / constrained_s, 3),
-        "mask_fill_ms_total": round(fill_s * 1e3, 1),
+        "ratio_median": round(statistics.median(ratios), 3),
+        "ratios": [round(r, 3) for r in ratios],
+        "mask_fill_ms_per_run": round(statistics.median(fills) * 1e3, 1),
     }
 
 
@@ -178,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile-rounds", type=int, default=3)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3, help="constrained/free pairs, alternated")
     parser.add_argument("--model", default=None, help="model for `throughput` (default: embedded)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
@@ -206,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             entry["compile"] = bench_compile(make, corpus, args.compile_rounds)
         if "throughput" in args.parts:
             entry["throughput"] = bench_throughput(
-                name, corpus, args.num_prompts, args.max_new_tokens, args.model
+                name, corpus, args.num_prompts, args.max_new_tokens, args.model, args.rounds
             )
         result[name] = entry
         if not args.json:
