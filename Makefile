@@ -47,14 +47,14 @@ test-python: setup
 # level it can emulate (AVX2, then scalar SSE2 on any x86-64; AVX-512 levels where present),
 # with rsgl's C kernels built for that level and torch's own kernels capped to it. Not part of
 # `make test`. LEVELS=avx2 or PYTEST_ARGS=tests/model narrow it.
-LEVELS ?= $(shell $(PY) -m rsgl.cpu_features --levels 2>/dev/null)
+LEVELS ?= $(shell $(PY) -m rsgl cpu-features --levels 2>/dev/null)
 PYTEST_ARGS ?=
 
 test-portable: setup
 	@for level in $(LEVELS); do \
 		echo "== RSGL_CPU_FEATURES=$$level"; \
-		env $$($(PY) -m rsgl.cpu_features --env $$level) $(PY) -m rsgl.cpu_features || exit 1; \
-		env $$($(PY) -m rsgl.cpu_features --env $$level) $(PY) -m pytest -q $(PYTEST_ARGS) || exit 1; \
+		env $$($(PY) -m rsgl cpu-features --env $$level) $(PY) -m rsgl cpu-features || exit 1; \
+		env $$($(PY) -m rsgl cpu-features --env $$level) $(PY) -m pytest -q $(PYTEST_ARGS) || exit 1; \
 	done
 
 serve: setup

@@ -119,7 +119,7 @@ def test_the_level_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_the_cli_lists_the_levels_this_cpu_can_emulate() -> None:
-    run = [sys.executable, "-m", "rsgl.cpu_features"]
+    run = [sys.executable, "-m", "rsgl", "cpu-features"]
     levels = subprocess.run([*run, "--levels"], capture_output=True, text=True, check=True)
     can = levels.stdout.split()
     expected = [n for n, lvl in LEVELS.items() if not missing_flags(lvl)]

@@ -1,4 +1,4 @@
-"""The `rsgl` command line: `rsgl serve ...` and `rsgl bench NAME ...`."""
+"""The `rsgl` command line: `rsgl serve ...`, `rsgl bench NAME ...` and `rsgl cpu-features`."""
 
 from __future__ import annotations
 
@@ -39,8 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `rsgl` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="rsgl", description="rsgl LLM serving engine")
-    parser.add_argument("command", choices=["serve", "bench"])
+    parser.add_argument("command", choices=["serve", "bench", "cpu-features"])
     args = parser.parse_args(argv[:1])
     if args.command == "bench":
         return run_bench(argv[1:])
+    if args.command == "cpu-features":
+        from rsgl.cpu_features import main as cpu_features_main
+
+        return cpu_features_main(argv[1:])
     return run_serve(argv[1:])

@@ -12,14 +12,13 @@ which torch reads when it starts.
 Torch-free (Linux /proc and /sys, read once at start-up), so tests can hand in a made-up
 /proc/cpuinfo and the server's frontend process can import it cheaply.
 
-    python -m rsgl.cpu_features           # the CPU as rsgl sees it, and the levels it can emulate
+    rsgl cpu-features           # the CPU as rsgl sees it, and the levels it can emulate
 """
 
 from __future__ import annotations
 
 import os
 import platform
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,7 +178,7 @@ def default_cpu_threads() -> int:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m rsgl.cpu_features`: the CPU as rsgl sees it. `--levels`: the levels this CPU
+    """`rsgl cpu-features`: the CPU as rsgl sees it. `--levels`: the levels this CPU
     can emulate, one per line; `--env LEVEL`: the environment of `make test-portable` for it."""
     if argv[:1] == ["--levels"]:
         on_x86 = platform.machine() in ("x86_64", "AMD64")
@@ -199,10 +198,6 @@ def main(argv: list[str]) -> int:
         missing = missing_flags(lvl)
         print(f"  {name}: " + ("can emulate" if not missing else f"lacks {' '.join(missing)}"))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
 
 
 __all__ = [
