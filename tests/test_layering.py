@@ -26,6 +26,8 @@ FORBIDDEN = {
     # Constrained decoding: driven by the loop, read by the sampler; imports neither.
     "grammar": {"layers", "models", "model_executor", "scheduler", "server", "engine", "stack"},
     "stack": {"server", "engine"},
+    # Tool calling: read by the frontend process.
+    "tool_calls": {"layers", "models", "model_executor", "scheduler", "server", "engine", "stack"},
 }
 TORCH_FREE = ["sampling_params", "args", "errors", "validation", "outputs", "cache_dir"]
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rsgl.tool_calls.parsers import FORMATS as TOOL_CALL_PARSERS
 from rsgl.validation import RequestLimits
 
 # kv_cache_dtype values -> the torch dtype's name (None: the model's dtype).
@@ -299,12 +300,27 @@ class ServerArgs(EngineArgs):
     incremental_streaming_output: bool = option(
         False, "stream /generate text and ids as deltas instead of SGLang's text-so-far"
     )
+    tool_call_parser: str | None = option(
+        None,
+        "how tool calls are read from the model's answers under tool_choice auto (SGLang's "
+        "names: llama3, qwen25, hermes, mistral, pythonic; default: none are read, the "
+        "answer is content). tool_choice required or a named function needs none",
+        choices=list(TOOL_CALL_PARSERS),
+    )
     enable_metrics_compat: str | None = option(
         None,
         "also export /metrics under another engine's names (sglang: SGLang 0.5's "
         "`sglang:*` series and labels, for its dashboards)",
         choices=["sglang"],
     )
+
+    def __post_init__(self) -> None:
+        EngineArgs.__post_init__(self)
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            expected = ", ".join(TOOL_CALL_PARSERS)
+            raise ValueError(
+                f"invalid tool_call_parser {self.tool_call_parser!r}: expected one of {expected}"
+            )
 
     def engine_args(self) -> EngineArgs:
         """The engine's part (what the scheduler process needs)."""

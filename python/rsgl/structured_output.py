@@ -2,10 +2,7 @@
 constraint extras (`json_schema`, `regex`, `ebnf`, `structural_tag`, at the top level of its
 OpenAI requests) ask the sampler for, as sampling params (`rsgl.grammar` compiles them).
 
-Tool calling is not built yet: `tools`, `tool_choice` and their deprecated spellings are
-refused here, in one place, with a 400 naming the field when they ask for anything (ignoring
-them would hand back prose that the client takes for a tool call). Each is accepted at a
-value that asks for nothing (null, an empty list, a `tool_choice` that calls no tool).
+Tool calls force their output with a JSON schema too; `rsgl.tool_calls` builds it.
 """
 
 from __future__ import annotations
@@ -17,35 +14,8 @@ from typing import Any
 from rsgl.errors import InvalidRequest
 from rsgl.grammar.constraint import CONSTRAINT_FIELDS, JSON_OBJECT_SCHEMA
 
-# OpenAI's tool-calling fields (`functions` and `function_call` are the deprecated spellings
-# of `tools` and `tool_choice`), each with the values that ask for nothing.
-# `tool_choice: "auto"` without tools calls none.
-FIELDS: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
-    "functions": (None, []),
-    "function_call": (None, "none", "auto"),
-}
-
 # OpenAI's rule for a json_schema response format's name.
 _SCHEMA_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
-
-
-def is_unset(name: str, value: Any) -> bool:
-    """Whether tool-calling field `name` at `value` asks for nothing."""
-    return any(_json_equal(value, nothing) for nothing in FIELDS[name])
-
-
-def check_unset(name: str, value: Any) -> None:
-    """Nothing if `value` leaves tool-calling field `name` unset; InvalidRequest naming the
-    field otherwise."""
-    if not is_unset(name, value):
-        shown = " or ".join(json.dumps(u) for u in FIELDS[name])
-        raise InvalidRequest(
-            f"{name} is not supported yet: this server cannot call tools; leave it unset "
-            f"({shown}), or constrain the output with response_format",
-            name,
-        )
 
 
 def constraint_params(
@@ -107,9 +77,4 @@ def _response_format(fmt: dict[str, Any] | None) -> dict[str, Any]:
     )
 
 
-def _json_equal(a: Any, b: Any) -> bool:
-    """`a == b` as JSON values: true and 1 differ, 1 and 1.0 do not."""
-    return isinstance(a, bool) == isinstance(b, bool) and a == b
-
-
-__all__ = ["CONSTRAINT_FIELDS", "FIELDS", "check_unset", "constraint_params", "is_unset"]
+__all__ = ["CONSTRAINT_FIELDS", "constraint_params"]

@@ -10,6 +10,7 @@ here may fail a step of the scheduling loop.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -101,12 +102,14 @@ def tokenize_prompt(
     param: str | None = None,
     continue_final_message: bool = False,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """The checked token ids of a prompt given as text, token ids or chat messages (exactly
     one; messages go through the model's chat template). `param` names it in errors
     (default: the form's own name). With `continue_final_message` the prompt ends inside
     the last (assistant) message instead of opening a new one; `chat_template_kwargs` are
-    the template's own variables (SGLang's and HF's names for both)."""
+    the template's own variables (SGLang's and HF's names for both); `tools` (OpenAI's
+    function tools) reach the template as its `tools`."""
     if sum(x is not None for x in (text, input_ids, messages)) != 1:
         raise InvalidRequest("give exactly one of text, input_ids or messages", param or "text")
     if messages is not None:
@@ -116,6 +119,8 @@ def tokenize_prompt(
             options.update(add_generation_prompt=False, continue_final_message=True)
         else:
             options["add_generation_prompt"] = True
+        if tools:
+            options["tools"] = tools
         try:
             ids = tokenizer.apply_chat_template(
                 check_messages(messages), tokenize=True, return_dict=False, **options
@@ -221,7 +226,38 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
             raise InvalidRequest(
                 f"{where}.content must be a string or a list of text parts", f"{where}.content"
             )
-        out.append(dict(m, content=check_text(content, f"{where}.content")))
+        message = dict(m, content=check_text(content, f"{where}.content"))
+        if m.get("tool_calls") is not None:
+            if role != "assistant":
+                raise InvalidRequest(f"{where}: only assistant messages carry tool_calls", where)
+            message["tool_calls"] = _template_tool_calls(m["tool_calls"], f"{where}.tool_calls")
+        out.append(message)
+    return out
+
+
+def _template_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's OpenAI `tool_calls`, checked, in the shape chat templates
+    take: each call's `function.arguments` (a JSON string on the wire) as the object it
+    encodes (vLLM and SGLang decode them too; templates print them with `tojson`)."""
+    if not isinstance(calls, list):
+        raise InvalidRequest(f"{where} must be a list of tool calls", where)
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping):
+            function = {}
+        name, arguments = function.get("name"), function.get("arguments", "{}")
+        if not isinstance(name, str) or not isinstance(arguments, str | Mapping):
+            raise InvalidRequest(
+                f"{where}.{j} must be {{'id': ..., 'type': 'function', 'function': "
+                "{'name': ..., 'arguments': '<JSON>'}}",
+                where,
+            )
+        if isinstance(arguments, str):
+            # Not JSON: the template gets the text the model wrote.
+            with contextlib.suppress(json.JSONDecodeError):
+                arguments = json.loads(arguments)
+        out.append(dict(call, function=dict(function, arguments=arguments)))
     return out
 
 

@@ -38,7 +38,7 @@ MODELS: dict[str, type[BaseModel]] = {
     "tokenize": TokenizeRequest,
     "detokenize": DetokenizeRequest,
 }
-REFUSING = (Handling.REFUSED, Handling.NOT_YET)
+REFUSING = (Handling.REFUSED,)
 # Any value but an unset one: refused fields are not declared, so their type is never checked.
 SET = "set"
 

@@ -137,12 +137,3 @@ def test_a_bad_constraint_is_a_400_and_the_server_serves_on(
         assert error["param"] == param
     ok = client.completions.create(model=MODEL, prompt="hi", max_tokens=3)
     assert ok.choices[0].text is not None
-
-
-def test_tool_calls_are_still_refused_by_name(client: openai.OpenAI) -> None:
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    with pytest.raises(openai.BadRequestError) as raised:
-        client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "hi"}], tools=[tool]
-        )
-    assert isinstance(raised.value.body, dict) and raised.value.body["param"] == "tools"

@@ -136,6 +136,28 @@ CHAT_MESSAGE_SCHEMA: dict[str, Any] = {
                 {"type": "null", "description": "assistant messages only"},
             ]
         },
+        "tool_calls": {
+            "type": "array",
+            "description": "assistant messages: the calls it made (OpenAI's shape)",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "string"},
+                    "type": {"const": "function"},
+                    "function": {
+                        "type": "object",
+                        "properties": {
+                            "name": {"type": "string"},
+                            "arguments": {"type": "string", "description": "JSON text"},
+                        },
+                        "required": ["name", "arguments"],
+                    },
+                },
+                "required": ["function"],
+            },
+        },
+        "tool_call_id": {"type": "string", "description": "tool messages: the call answered"},
+        "name": {"type": "string"},
     },
     "required": ["role"],
 }
@@ -240,6 +262,10 @@ class ChatCompletionRequest(OpenAIRequest):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     input_ids: list[int] | None = Field(None, json_schema_extra=BOUNDS["input_ids"])
+    # Tool calling (rsgl.tool_calls checks them).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class GenerateRequest(BaseModel):

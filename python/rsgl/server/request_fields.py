@@ -4,10 +4,8 @@ which `rsgl.Engine` takes too), /tokenize and /detokenize.
 
 A known field is never silently dropped. It is honoured; or accepted with no effect, when
 it is bookkeeping that changes no answer (each such row says why); or refused with a 400
-naming it when set to anything but a value that asks for nothing (`unset`); or, for
-tool calls, refused as "not supported yet" by `rsgl.structured_output`, which the work that
-implements them replaces. Fields nobody knows are ignored, as OpenAI's, vLLM's and
-SGLang's servers do.
+naming it when set to anything but a value that asks for nothing (`unset`). Fields nobody
+knows are ignored, as OpenAI's, vLLM's and SGLang's servers do.
 
 `RULES` is the one statement of all this: the routes refuse what it refuses
 (`refuse_unsupported`), the tests send every refused field to every endpoint it names, and
@@ -23,7 +21,6 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rsgl import structured_output
 from rsgl.errors import InvalidRequest
 from rsgl.grammar.constraint import CONSTRAINT_FIELDS
 from rsgl.sampling_params import SamplingParams
@@ -47,7 +44,6 @@ class Handling(enum.Enum):
     HONOURED = "honoured"
     NO_EFFECT = "accepted, no effect"
     REFUSED = "400 when set"
-    NOT_YET = "400 when set, not supported yet"
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,9 +87,8 @@ def _sampling_rules() -> list[FieldRule]:
 
 
 def _structured_rules() -> list[FieldRule]:
-    """Structured output: constraints are honoured; the tool-calling fields are refused by
-    `rsgl.structured_output` until tool calls exist (one row per set of unset values)."""
-    rules = [
+    """Structured output and tool calls."""
+    return [
         FieldRule(
             ("response_format",),
             OPENAI,
@@ -107,28 +102,55 @@ def _structured_rules() -> list[FieldRule]:
             H,
             "SGLang's constraint extras (one per request, or response_format)",
         ),
-    ]
-    groups: dict[tuple[str, ...], list[str]] = {}
-    for name, unset in structured_output.FIELDS.items():
-        groups.setdefault(tuple(json.dumps(u) for u in unset), []).append(name)
-    rules += [
         FieldRule(
-            tuple(names),
+            ("tools",),
             ("chat",),
-            Handling.NOT_YET,
-            "tool calls",
-            structured_output.FIELDS[names[0]],
-        )
-        for names in groups.values()
+            H,
+            "function tools (`name`, `description`, `parameters`, `strict`); they reach the "
+            'chat template unless `tool_choice` is `"none"`',
+        ),
+        FieldRule(
+            ("tool_choice",),
+            ("chat",),
+            H,
+            '`"none"`, `"auto"` (calls read by --tool-call-parser), `"required"` or a named '
+            "function (the output constrained to calls that parse)",
+        ),
+        FieldRule(
+            ("parallel_tool_calls",),
+            ("chat",),
+            H,
+            '`false`: a `"required"` or named call is one call (with `"auto"`, every call '
+            "the model writes is returned)",
+        ),
+        FieldRule(
+            ("functions",),
+            ("chat",),
+            R,
+            "OpenAI's deprecated spelling of `tools`; give `tools`",
+            (None, []),
+        ),
+        FieldRule(
+            ("function_call",),
+            ("chat",),
+            R,
+            "OpenAI's deprecated spelling of `tool_choice`; give `tool_choice`",
+            (None, "none", "auto"),
+        ),
     ]
-    return rules
 
 
 RULES: tuple[FieldRule, ...] = (
     # ------------------------------------------------------------- honoured: OpenAI
     FieldRule(("model",), OPENAI, H, "the served model's name; any other is a 404"),
     FieldRule(("prompt",), ("completions",), H, "text, token ids, or a batch of either"),
-    FieldRule(("messages",), ("chat",), H, "text content only (content parts of type text)"),
+    FieldRule(
+        ("messages",),
+        ("chat",),
+        H,
+        "text content only (content parts of type text); assistant `tool_calls` and `tool` "
+        "messages reach the template",
+    ),
     FieldRule(
         ("best_of",),
         OPENAI,
@@ -175,9 +197,6 @@ RULES: tuple[FieldRule, ...] = (
         OPENAI,
         N,
         "a routing hint for OpenAI's prompt cache; rsgl's radix cache reuses any prefix",
-    ),
-    FieldRule(
-        ("parallel_tool_calls",), ("chat",), N, "matters only with `tools` (not supported yet)"
     ),
     # ------------------------------------------------- honoured: SGLang's OpenAI extras
     FieldRule(
@@ -403,7 +422,7 @@ def rules_for(endpoint: str, *handlings: Handling) -> Iterator[tuple[str, FieldR
 
 
 def _refusals(endpoint: str) -> dict[str, FieldRule]:
-    return dict(rules_for(endpoint, Handling.REFUSED, Handling.NOT_YET))
+    return dict(rules_for(endpoint, Handling.REFUSED))
 
 
 _REFUSED = {endpoint: _refusals(endpoint) for endpoint in ENDPOINTS}
@@ -417,9 +436,7 @@ def refuse_unsupported(endpoint: str, fields: Mapping[str, Any]) -> None:
         rule = refused.get(name)
         if rule is None:
             continue
-        if rule.handling is Handling.NOT_YET:
-            structured_output.check_unset(name, value)
-        elif not _unset(value, rule.unset):
+        if not _unset(value, rule.unset):
             shown = " or ".join(json.dumps(u) for u in rule.unset)
             raise InvalidRequest(
                 f"{name} is not supported by this server ({rule.note}); leave it unset ({shown})",
@@ -441,7 +458,7 @@ def markdown_table() -> str:
         names = ", ".join(f"`{n}`" for n in rule.names)
         where = ", ".join(ENDPOINTS[e] for e in rule.endpoints)
         handling = rule.handling.value
-        if rule.handling in (Handling.REFUSED, Handling.NOT_YET):
+        if rule.handling is Handling.REFUSED:
             handling += " (unset: " + ", ".join(f"`{json.dumps(u)}`" for u in rule.unset) + ")"
         lines.append(f"| {names} | {where} | {handling} | {rule.note} |")
     return "\n".join(lines) + "\n"

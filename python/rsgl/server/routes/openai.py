@@ -9,6 +9,8 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 
+from rsgl import tool_calls
+from rsgl.grammar.constraint import CONSTRAINT_FIELDS
 from rsgl.outputs import Output
 from rsgl.server.protocol import (
     ChatCompletionRequest,
@@ -305,7 +307,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, st: Sta
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     copies = candidates(st, req)
-    prompt_ids = chat_prompt(st, req)
+    tools = tool_calls.plan(
+        req.tools, req.tool_choice, req.parallel_tool_calls, st.args.tool_call_parser
+    )
+    prompt_ids = chat_prompt(st, req, tools.template_tools)
     max_tokens = req.max_completion_tokens
     names = dict(CHAT_PARAMS)
     if max_tokens is None:
@@ -313,6 +318,15 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, st: Sta
     else:
         names["max_new_tokens"] = "max_completion_tokens"
     raw = req.sampling_params()
+    if tools.json_schema is not None:
+        other = next((name for name in CONSTRAINT_FIELDS if raw.get(name)), None)
+        if other is not None:
+            raise bad_request(
+                f"tool_choice forces a tool call, which constrains the output itself; "
+                f"{'response_format' if req.response_format else other} constrains it too",
+                "tool_choice",
+            )
+        raw["json_schema"] = tools.json_schema
     # No limit given: whatever the context leaves.
     raw.update(n=copies, max_new_tokens=max_tokens)
     if req.logprobs:
@@ -339,19 +353,30 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, st: Sta
                 yield chunk([{"index": c.index, "delta": delta, "finish_reason": None}])
             metas = []
             logprobs = PendingLogprobs()
+            fmt = tools.fmt
+            calls = {c.index: tool_calls.ToolCallStream(fmt) for c in choices} if fmt else {}
             async for c, u in merged(st, choices):
                 if u.meta is not None:
                     metas.append(dict(u.meta, prompt_index=0))
                 logprobs.add(c.index, u.logprobs)
-                if not u.text and u.meta is None:
+                deltas = [{"content": u.text}] if u.text else []
+                reason = finish_reason(u.meta)
+                if c.index in calls:
+                    deltas = stream_deltas(calls[c.index], u.text, u.meta is not None)
+                    if calls[c.index].calls and reason == "stop":
+                        reason = "tool_calls"
+                if not deltas and u.meta is None:
                     continue
-                choice = {
-                    "index": c.index,
-                    "delta": {"content": u.text} if u.text else {},
-                    "logprobs": chat_logprobs(st, logprobs.take(c.index)),
-                    "finish_reason": finish_reason(u.meta),
-                }
-                yield chunk([choice])
+                # A chunk per delta: a call's id and name come before its arguments.
+                for i, delta in enumerate(deltas or [{}]):
+                    last = i == max(len(deltas), 1) - 1
+                    choice = {
+                        "index": c.index,
+                        "delta": delta,
+                        "logprobs": chat_logprobs(st, logprobs.take(c.index)) if i == 0 else None,
+                        "finish_reason": reason if last else None,
+                    }
+                    yield chunk([choice])
             if include_usage:
                 yield chunk([], {"usage": sum_usage(metas)})
 
@@ -361,21 +386,55 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, st: Sta
     metas = [dict(u.meta or {}, prompt_index=0) for _, u in results]
     if copies > req.n:
         results = best_of(results, req.n)
-    out = [
-        {
-            "index": i,
-            "message": {"role": "assistant", "content": u.text},
-            "logprobs": chat_logprobs(st, u.logprobs) if req.logprobs else None,
-            "finish_reason": finish_reason(u.meta),
-        }
-        for i, (_, u) in enumerate(results)
-    ]
+    out = []
+    for i, (_, u) in enumerate(results):
+        message, reason = chat_message(tools.fmt, u.text, finish_reason(u.meta))
+        out.append(
+            {
+                "index": i,
+                "message": message,
+                "logprobs": chat_logprobs(st, u.logprobs) if req.logprobs else None,
+                "finish_reason": reason,
+            }
+        )
     return envelope(st, cid, "chat.completion", created, out, usage=sum_usage(metas))
 
 
-def chat_prompt(st: ServerState, req: ChatCompletionRequest) -> list[int]:
-    """The prompt's token ids: the messages through the chat template, or SGLang's
-    `input_ids` (the messages still checked) in place of the template's."""
+def chat_message(
+    fmt: tool_calls.ToolCallFormat | None, text: str, reason: str | None
+) -> tuple[dict[str, Any], str | None]:
+    """A whole answer's message, and its finish reason: `tool_calls` when the model called
+    tools and stopped on its own (cut off by max_tokens, it stays `length`)."""
+    parsed = fmt.parse(text, final=True) if fmt is not None else None
+    if parsed is None or not parsed.calls:
+        return {"role": "assistant", "content": text}, reason
+    message = {
+        "role": "assistant",
+        "content": parsed.content or None,
+        "tool_calls": [tool_calls.tool_call(call) for call in parsed.calls],
+    }
+    return message, "tool_calls" if reason == "stop" else reason
+
+
+def stream_deltas(calls: tool_calls.ToolCallStream, text: str, last: bool) -> list[dict[str, Any]]:
+    """The chunk deltas of a piece of a streamed answer read for tool calls: its content,
+    then each call's header or arguments."""
+    grown = [calls.feed(text)]
+    if last:
+        grown.append(calls.finish())
+    deltas: list[dict[str, Any]] = []
+    for d in grown:
+        if d.content:
+            deltas.append({"content": d.content})
+        deltas += [{"tool_calls": [entry]} for entry in d.tool_calls]
+    return deltas
+
+
+def chat_prompt(
+    st: ServerState, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None
+) -> list[int]:
+    """The prompt's token ids: the messages (and `tools`) through the chat template, or
+    SGLang's `input_ids` (the messages still checked) in place of the template's."""
     if req.input_ids is None:
         return tokenize_prompt(
             st.tokenizer,
@@ -383,6 +442,7 @@ def chat_prompt(st: ServerState, req: ChatCompletionRequest) -> list[int]:
             messages=req.messages,
             continue_final_message=req.continue_final_message,
             chat_template_kwargs=req.chat_template_kwargs,
+            tools=tools,
         )
     for name in ("continue_final_message", "chat_template_kwargs"):
         if getattr(req, name):
