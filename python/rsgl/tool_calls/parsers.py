@@ -98,23 +98,7 @@ def _scan_json_value(text: str, i: int) -> int | None:
     if c == '"':
         return _scan_string(text, i)
     if c in "{[":
-        depth = 0
-        while i < len(text):
-            c = text[i]
-            if c == '"':
-                end = _scan_string(text, i)
-                if end is None:
-                    return None
-                i = end
-                continue
-            if c in "{[":
-                depth += 1
-            elif c in "}]":
-                depth -= 1
-                if depth == 0:
-                    return i + 1
-            i += 1
-        return None
+        return _scan_nested(text, i, '"', "{[", "}]")
     start = i
     while i < len(text) and (text[i].isalnum() or text[i] in "+-."):
         i += 1
@@ -471,18 +455,24 @@ _LITERAL_NAMES = {"true": True, "false": False, "null": None}
 
 def _scan_python_call(text: str, i: int) -> int | None:
     """The index past the `)` that closes the `(` at text[i] (None: the text ends first)."""
+    return _scan_nested(text, i, "\"'", "([{", ")]}")
+
+
+def _scan_nested(text: str, i: int, quotes: str, opening: str, closing: str) -> int | None:
+    """The index past the bracket that closes the one at text[i], skipping quoted strings
+    (None: the text ends first)."""
     depth = 0
     while i < len(text):
         c = text[i]
-        if c in "\"'":
+        if c in quotes:
             end = _scan_string(text, i, c)
             if end is None:
                 return None
             i = end
             continue
-        if c in "([{":
+        if c in opening:
             depth += 1
-        elif c in ")]}":
+        elif c in closing:
             depth -= 1
             if depth == 0:
                 return i + 1
