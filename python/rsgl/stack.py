@@ -343,8 +343,6 @@ def _grammar_compiler(stack: ModelStack, args: EngineArgs) -> tuple[GrammarCompi
     """The compiler of constraints, or None and why requests with one are refused."""
     if args.grammar_backend == "none":
         return None, "constrained decoding is off (--grammar-backend none)"
-    if args.tp_size > 1:
-        return None, "constrained decoding does not run with --tp-size > 1 yet"
     options = GrammarOptions(
         disable_any_whitespace=args.constrained_json_disable_any_whitespace,
         max_whitespace=args.constrained_json_max_whitespace or None,

@@ -10,12 +10,15 @@ module (TP=2 with overlap; TP=2 without, which the last test breaks on purpose).
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
+import re
 import signal
 import threading
 from collections.abc import Iterator
 from typing import Any
 
+import jsonschema
 import numpy as np
 import pytest
 import torch
@@ -67,6 +70,41 @@ SAMPLED = [
 ]
 
 
+# Constrained rows beside a free one in each batch: greedy rows take the sharded argmax over
+# masked vocabulary slices, the sampled one the all-gathered logits under the whole mask.
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "likes": {"type": "array", "items": {"enum": ["tea", "jazz", "cats"]}, "maxItems": 2},
+    },
+    "required": ["name", "age", "likes"],
+    "additionalProperties": False,
+}
+PHONE = r" \(\d{3}\) \d{3}-\d{4}"
+CONSTRAINED_PROMPTS = [
+    "Describe a person as JSON:",
+    "Call me at",
+    "Call the office at",
+    "The capital of France is",
+]
+CONSTRAINED: list[dict[str, Any]] = [
+    {"temperature": 0.0, "max_new_tokens": 48, "json_schema": json.dumps(PERSON)},
+    {"temperature": 0.0, "max_new_tokens": 24, "regex": PHONE},
+    {"temperature": 0.9, "seed": 7, "max_new_tokens": 24, "regex": PHONE},
+    {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True},
+]
+
+
+def check_constrained(outs: list[dict[str, Any]]) -> None:
+    """The constrained outputs are in their languages (the masks were applied)."""
+    jsonschema.validate(json.loads(outs[0]["text"]), PERSON)
+    for out in outs[1:3]:
+        assert re.fullmatch(PHONE, out["text"]), out["text"]
+        assert out["meta_info"]["finish_reason"]["type"] == "stop"
+
+
 def child_pids() -> set[int]:
     """This process's live children (Linux /proc)."""
     pids: set[int] = set()
@@ -113,7 +151,15 @@ def reference() -> dict[str, Any]:
         logits = step_logits(engine, ids)
         rounds = generate_twice(engine, return_logprob=True, top_logprobs_num=2)
         sampled = engine.generate(PROMPTS[: len(SAMPLED)], SAMPLED)
-    return {"prompt_ids": ids, "logits": logits, "rounds": rounds, "sampled": sampled}
+        constrained = engine.generate(CONSTRAINED_PROMPTS, CONSTRAINED)
+    check_constrained(constrained)
+    return {
+        "prompt_ids": ids,
+        "logits": logits,
+        "rounds": rounds,
+        "sampled": sampled,
+        "constrained": constrained,
+    }
 
 
 def start_tp2(reference: dict[str, Any], **options: Any) -> tuple[rsgl.Engine, torch.Tensor]:
@@ -177,6 +223,17 @@ def test_greedy_tokens_match_tp1_with_radix_and_chunked_prefill(
     assert sum(o["meta_info"]["cached_tokens"] for o in rounds[1]) > 0
     sampled = engine.generate(PROMPTS[: len(SAMPLED)], SAMPLED)
     assert [o["output_ids"] for o in sampled] == [o["output_ids"] for o in reference["sampled"]]
+    engine.check_integrity()
+
+
+@pytest.mark.parametrize("engine_name", ["tp2", "tp2_no_overlap"])
+def test_constrained_tokens_match_tp1(
+    reference: dict[str, Any], engine_name: str, request: pytest.FixtureRequest
+) -> None:
+    engine, _ = request.getfixturevalue(engine_name)
+    outs = engine.generate(CONSTRAINED_PROMPTS, CONSTRAINED)
+    check_constrained(outs)
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in reference["constrained"]]
     engine.check_integrity()
 
 

@@ -55,3 +55,15 @@ def test_tokens_past_the_bitmask_width_are_forbidden(
     apply_token_bitmask(logits, np.array([1]), torch.full((1, 1), -1, dtype=torch.int32))
     assert torch.isinf(logits[1, 32:]).all() and (logits[1, :32] == 0).all()
     assert (logits[0] == 0).all()
+
+
+@pytest.mark.parametrize(("start", "stop"), [(0, 500), (64, 1000), (333, 1000), (31, 97)])
+def test_a_vocabulary_slice_is_masked_as_the_whole_row_is(start: int, stop: int) -> None:
+    # A tensor-parallel rank masks its slice of the logits before the sharded argmax; its
+    # ids need not start on a word of the bitmask.
+    logits, rows, bitmask = random_case(1000, seed=start)
+    whole = logits.clone()
+    apply_token_bitmask(whole, rows, bitmask)
+    part = logits[:, start:stop].contiguous()
+    apply_token_bitmask(part, rows, bitmask, vocab_start=start)
+    torch.testing.assert_close(part, whole[:, start:stop])

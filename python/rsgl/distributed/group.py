@@ -39,6 +39,8 @@ class _Backend(Protocol):
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor]
     ) -> _Work: ...
 
+    def broadcast(self, tensor: torch.Tensor, root: int) -> _Work: ...
+
     def shutdown(self) -> None: ...
 
 
@@ -57,9 +59,10 @@ class TPGroup:
 
     `all_reduce` sums a tensor over the ranks in place (row-parallel outputs, the vocab-parallel
     embedding); `all_gather` concatenates each rank's slice along the last dimension (the
-    logits). Every rank ends with bitwise identical results: ring and tree reductions
-    broadcast one reduced copy, so the ranks' residual streams, and hence their sampling,
-    never drift apart. Set `profile` to count and time the collectives.
+    logits); `broadcast` copies rank 0's tensor to every rank (a step's grammar masks). Every
+    rank ends with bitwise identical results: ring and tree reductions broadcast one reduced
+    copy, so the ranks' residual streams, and hence their sampling, never drift apart. Set
+    `profile` to count and time the collectives.
     """
 
     def __init__(self, backend: _Backend, rank: int, size: int) -> None:
@@ -92,17 +95,15 @@ class TPGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sums `x` over the ranks, in place; returns it."""
-        start = time.perf_counter() if self.profile is not None else 0.0
+        start = time.perf_counter()
         self.backend.allreduce([x]).wait()
-        if self.profile is not None:
-            self.profile.calls += 1
-            self.profile.seconds += time.perf_counter() - start
+        self._count(start)
         return x
 
     def all_gather(self, x: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
         """Concatenates every rank's `x` ([rows, sizes[rank]]) along the last dimension.
         Backends gather equal shapes only, so uneven slices travel padded to the largest."""
-        start = time.perf_counter() if self.profile is not None else 0.0
+        start = time.perf_counter()
         width = max(sizes)
         if x.shape[-1] != width:
             x = torch.nn.functional.pad(x, (0, width - x.shape[-1]))
@@ -111,10 +112,21 @@ class TPGroup:
         if width != min(sizes):
             parts = [p[..., :n] for p, n in zip(parts, sizes, strict=True)]
         out = torch.cat(parts, dim=-1)
+        self._count(start)
+        return out
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` on every rank, in place (the others' `x` is overwritten); returns it."""
+        start = time.perf_counter()
+        self.backend.broadcast(x, 0).wait()
+        self._count(start)
+        return x
+
+    def _count(self, start: float) -> None:
+        """Profiles one collective that began at `start` (perf_counter)."""
         if self.profile is not None:
             self.profile.calls += 1
             self.profile.seconds += time.perf_counter() - start
-        return out
 
     def close(self) -> None:
         """Shuts the backend down (its connections; NCCL's communicators)."""

@@ -21,11 +21,17 @@ class VocabMask(Protocol):
     def wait(self) -> torch.Tensor: ...
 
 
-def apply_token_bitmask(logits: torch.Tensor, rows: np.ndarray, bitmask: torch.Tensor) -> None:
+def apply_token_bitmask(
+    logits: torch.Tensor, rows: np.ndarray, bitmask: torch.Tensor, vocab_start: int = 0
+) -> None:
     """In place on float32 logits [B, V]: row rows[i] keeps only what bitmask row i allows
-    (tokens past the bitmask's width are forbidden)."""
+    (tokens past the bitmask's width are forbidden). `vocab_start`: the logits are ids
+    vocab_start .. vocab_start + V of the bitmask's vocabulary (a tensor-parallel rank's
+    slice)."""
     if len(rows) == 0:
         return
+    if vocab_start:
+        bitmask = shift_bitmask(bitmask, vocab_start)
     if logits.device.type == "cpu" and logits.is_contiguous():
         kernels = load_cpu_kernels()
         if kernels is not None:
@@ -44,4 +50,17 @@ def apply_token_bitmask(logits: torch.Tensor, rows: np.ndarray, bitmask: torch.T
     logits[index] = logits[index].masked_fill(~allowed[:, :vocab], float("-inf"))
 
 
-__all__ = ["VocabMask", "apply_token_bitmask"]
+def shift_bitmask(bitmask: torch.Tensor, start: int) -> torch.Tensor:
+    """The bitmask of ids start, start + 1, .. (int32 words; bit j % 32 of word j / 32)."""
+    words, bits = divmod(start, 32)
+    if bits == 0:
+        return bitmask[:, words:].contiguous()
+    # Word k of the result is the high 32 - bits bits of word k + words and the low `bits`
+    # of the next, shifted logically (in int64: int32 has only arithmetic shifts).
+    full = bitmask[:, words:].long() & 0xFFFFFFFF
+    after = torch.nn.functional.pad(full[:, 1:], (0, 1))
+    joined = ((full >> bits) | (after << (32 - bits))) & 0xFFFFFFFF
+    return torch.where(joined >= 1 << 31, joined - (1 << 32), joined).to(torch.int32)
+
+
+__all__ = ["VocabMask", "apply_token_bitmask", "shift_bitmask"]

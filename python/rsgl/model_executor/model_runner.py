@@ -19,7 +19,7 @@ from rsgl.layers.attention import (
 from rsgl.layers.host_copy import to_device
 from rsgl.layers.parallel import sharded_argmax
 from rsgl.layers.sampler import SampleOutput, Sampler, SlotSamplingState, plain_greedy
-from rsgl.layers.vocab_mask import VocabMask
+from rsgl.layers.vocab_mask import VocabMask, apply_token_bitmask
 from rsgl.model_executor.cuda_graph_runner import (
     CudaGraphRunner,
     TorchCudaGraph,
@@ -323,11 +323,16 @@ class ModelRunner:
         self.attn.prepare(batch)
         tp = self.loaded.tp
         greedy = tp is not None and plain_greedy(self.sampling, batch.req_slots_host)
-        if tp is not None and greedy and not return_logits and vocab_mask is None:
+        if tp is not None and greedy and not return_logits:
             # Greedy under tensor parallelism: the ranks exchange their best (value, id)
             # per row instead of all-gathering the logits (SmolLM2 at batch 64 over gloo:
-            # a [64, 2] gather instead of 2 x [64, 24576] floats, ~15 ms).
+            # a [64, 2] gather instead of 2 x [64, 24576] floats, ~15 ms). Grammar rows
+            # mask each rank's slice first: the same tokens every rank (one bitmask).
             local = self.model(input_ids, batch, self.attn, gather_logits=False)
+            if vocab_mask is not None:
+                local = local.float()
+                start = tp.shard.vocab.start
+                apply_token_bitmask(local, vocab_mask.rows, vocab_mask.wait(), start)
             ids = sharded_argmax(local, tp.shard.vocab.start, tp.group)
             return self._record(batch, SampleOutput(ids), batch.batch_size, None)
         logits = self.model(input_ids, batch, self.attn)

@@ -14,6 +14,11 @@ this shape:
   placeholder resolves from each rank's own FutureMap, which is identical on every rank:
   the logits are all-gathered, so every rank samples the same token with the same seeds and
   per-slot state (penalties included), and no token is ever broadcast.
+- Grammar masks travel as tensors. A step's message names the rows that sample under a
+  grammar, but their bitmask is filled on rank 0 only after the step is sent (it depends on
+  the previous step's tokens, accepted while this step's forward runs); at sampling time
+  every rank meets in a broadcast of it (`BroadcastMask`), so all ranks mask the same tokens
+  of their identical logits, or of their vocabulary slices before the sharded argmax.
 - Control over ZeroMQ, tensors over torch.distributed. An idle server sends nothing; a
   follower blocked in a gloo broadcast would time out, a follower blocked on a socket waits
   for ever. The collectives inside the forward use gloo (CPU) or NCCL (CUDA).
@@ -29,13 +34,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import msgspec
 import numpy as np
+import torch
 import zmq
 
 from rsgl._core import Plan
+from rsgl.distributed.group import TPGroup
 from rsgl.errors import FatalStepError
 from rsgl.layers.vocab_mask import VocabMask
 from rsgl.model_executor.model_runner import ModelRunner, PreparedStep, StepOutput
@@ -72,6 +80,8 @@ class StepMessage(msgspec.Struct, tag="step", array_like=True):
     `num_writes` each); `sample` is the per-request bool array. `return_logits` is part of
     the step: with it every rank gathers the whole logits, without it a greedy batch
     gathers only each rank's best (value, id), and the ranks' collectives must match.
+    `mask_rows` (int64) are the batch rows under a grammar: non-empty, every rank joins the
+    broadcast of their bitmask when it samples.
     """
 
     plan_id: int
@@ -84,6 +94,7 @@ class StepMessage(msgspec.Struct, tag="step", array_like=True):
     sample: bytes
     admissions: list[Admission]
     return_logits: bool = False
+    mask_rows: bytes = b""
 
 
 class StopMessage(msgspec.Struct, tag="stop", array_like=True):
@@ -95,8 +106,13 @@ _decoder = msgspec.msgpack.Decoder(StepMessage | StopMessage)
 STOP = _encoder.encode(StopMessage())
 
 
-def encode_step(plan: Plan, admissions: Sequence[Admission], return_logits: bool = False) -> bytes:
-    """`plan` and its admissions as one message."""
+def encode_step(
+    plan: Plan,
+    admissions: Sequence[Admission],
+    return_logits: bool = False,
+    mask_rows: np.ndarray | None = None,
+) -> bytes:
+    """`plan` and its admissions (and the rows its grammar masks cover) as one message."""
     ints = np.concatenate(
         [
             plan.rids,
@@ -123,6 +139,7 @@ def encode_step(plan: Plan, admissions: Sequence[Admission], return_logits: bool
         sample=np.asarray(plan.sample, dtype=np.bool_).tobytes(),
         admissions=list(admissions),
         return_logits=return_logits,
+        mask_rows=b"" if mask_rows is None else mask_rows.astype(np.int64, copy=False).tobytes(),
     )
     return _encoder.encode(message)
 
@@ -156,6 +173,43 @@ def plan_of(message: StepMessage) -> Plan:
         write_slots=kv,
         num_extends=message.num_extends,
     )
+
+
+@dataclass(slots=True)
+class BroadcastMask:
+    """A step's grammar masks as every tensor-parallel rank sees them: `wait` (the sampler's,
+    once per step on every rank, at the same point of the step's collectives) broadcasts
+    rank 0's bitmask, which `source` (the loop's `StepMask`) holds once filled; a follower
+    has no source and receives it. `words` is the bitmask's width (the backend's,
+    ceil(vocab / 32))."""
+
+    rows: np.ndarray
+    words: int
+    group: TPGroup
+    device: torch.device
+    source: VocabMask | None = None
+    _bitmask: torch.Tensor | None = field(default=None, init=False)
+
+    def wait(self) -> torch.Tensor:
+        if self._bitmask is None:
+            if self.source is not None:
+                bitmask = self.source.wait().to(self.device)
+            else:
+                shape = (len(self.rows), self.words)
+                bitmask = torch.empty(shape, dtype=torch.int32, device=self.device)
+            self._bitmask = self.group.broadcast(bitmask)
+        return self._bitmask
+
+
+def broadcast_mask(
+    runner: ModelRunner, rows: np.ndarray, source: VocabMask | None = None
+) -> BroadcastMask:
+    """The `BroadcastMask` of `runner`'s group for `rows` (from `source` on rank 0); its
+    width is the grammar backend's: one bit per id of the model's vocabulary."""
+    tp = runner.loaded.tp
+    assert tp is not None, "grammar masks are broadcast under tensor parallelism only"
+    words = (runner.loaded.config.vocab_size + 31) // 32
+    return BroadcastMask(rows, words, tp.group, runner.device, source)
 
 
 class StepSink(Protocol):
@@ -213,19 +267,18 @@ class TPRunner(ModelRunner):
         return_logits: bool = False,
         vocab_mask: VocabMask | None = None,
     ) -> StepOutput:
-        if vocab_mask is not None:
-            # Followers would sample without the mask (and their FutureMaps diverge): the
-            # loop refuses constraints under tensor parallelism (rsgl.stack).
-            raise ValueError("grammar masks are not sent to tensor-parallel followers")
         if self._broken is None:
             self._broken = self.followers.failure()
         if self._broken is not None:
             raise TPGroupBroken(self._broken)
-        payload = encode_step(prepared.plan, self._admissions, return_logits)
+        rows = None if vocab_mask is None else vocab_mask.rows
+        payload = encode_step(prepared.plan, self._admissions, return_logits, rows)
         self._admissions = []
+        if vocab_mask is not None:
+            vocab_mask = broadcast_mask(self, vocab_mask.rows, source=vocab_mask)
         try:
             self.followers.send(payload)
-            return super().execute(prepared, return_logits=return_logits)
+            return super().execute(prepared, return_logits=return_logits, vocab_mask=vocab_mask)
         except Exception as exc:
             cause = self.followers.failure(grace_s=1.0)
             self._broken = cause or f"step {prepared.plan.id} failed on rank 0: {exc!r}"
@@ -259,7 +312,10 @@ def follow_steps(runner: ModelRunner, steps: zmq.Socket[bytes]) -> None:
                     out = np.frombuffer(a.output_ids, dtype=np.int64).tolist()
                     runner.admit(a.req_slot, a.params, ids, out)
                 prepared = runner.prepare(plan_of(message))
-                runner.execute(prepared, return_logits=message.return_logits)
+                mask = None
+                if message.mask_rows:
+                    mask = broadcast_mask(runner, np.frombuffer(message.mask_rows, np.int64))
+                runner.execute(prepared, return_logits=message.return_logits, vocab_mask=mask)
             elif monitor in ready:
                 raise RankZeroLost("the connection to tensor-parallel rank 0 dropped")
     finally:
@@ -269,12 +325,14 @@ def follow_steps(runner: ModelRunner, steps: zmq.Socket[bytes]) -> None:
 
 __all__ = [
     "Admission",
+    "BroadcastMask",
     "RankZeroLost",
     "StepMessage",
     "StepSink",
     "StopMessage",
     "TPGroupBroken",
     "TPRunner",
+    "broadcast_mask",
     "decode_message",
     "encode_step",
     "follow_steps",
