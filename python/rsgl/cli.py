@@ -15,6 +15,7 @@ BENCHMARKS: dict[str, str] = {
     "overhead": "rsgl.bench.overhead",
     "collectives": "rsgl.bench.collectives",
     "grammar": "rsgl.bench.grammar",
+    "simulate": "rsgl.bench.simulate",
 }
 
 

@@ -118,7 +118,7 @@ def build_stack(args: EngineArgs) -> ModelStack:
     context_length = args.context_length or loaded.config.max_position_embeddings
     tokenizer = load_tokenizer(args.tokenizer_path or loaded.model_dir)
     max_total_tokens = args.max_total_tokens or _pool_tokens(args, loaded.config, loaded.dtype)
-    core = _core(args, max_total_tokens, context_length, loaded.config)
+    core = build_core(args, max_total_tokens, context_length, loaded.config)
     runner = ModelRunner(
         loaded,
         kv_buffer_size=core.kv_buffer_size,
@@ -186,7 +186,7 @@ def _tp_stack(
         context_length = args.context_length or config.max_position_embeddings
         tokenizer = load_tokenizer(args.tokenizer_path or model_dir)
         max_total_tokens = args.max_total_tokens or _pool_tokens(args, config, loaded.dtype, shards)
-        core = _core(args, max_total_tokens, context_length, config)
+        core = build_core(args, max_total_tokens, context_length, config)
         spec = RunnerSpec(
             kv_buffer_size=core.kv_buffer_size,
             max_running_requests=args.max_running_requests,
@@ -242,7 +242,7 @@ def _null_stack(args: EngineArgs, cpu_threads: int) -> ModelStack:
     context_length = args.context_length or config.max_position_embeddings
     tokenizer = load_tokenizer(args.tokenizer_path or model_dir)
     max_total_tokens = args.max_total_tokens or _pool_tokens(args, config, choice.torch_dtype)
-    core = _core(args, max_total_tokens, context_length, config)
+    core = build_core(args, max_total_tokens, context_length, config)
     runner = NullRunner(
         config,
         max_running_requests=args.max_running_requests,
@@ -263,9 +263,11 @@ def _null_stack(args: EngineArgs, cpu_threads: int) -> ModelStack:
     )
 
 
-def _core(
+def build_core(
     args: EngineArgs, max_total_tokens: int, context_length: int, config: ModelConfig
 ) -> Scheduler:
+    """The scheduling core of one replica, configured from `args` (the simulator of
+    `rsgl bench simulate` builds its replicas' cores here too)."""
     return Scheduler(
         max_total_tokens,
         page_size=args.page_size,
@@ -308,18 +310,27 @@ def _pool_tokens(
         per_token = max(per_rank) if device.type == "cuda" else sum(on_node)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        budget = total * (args.mem_fraction or DEFAULT_CUDA_MEM_FRACTION) - (total - free)
-        if budget < 4 * args.page_size * per_token:
-            raise RuntimeError(
-                f"no GPU memory left for the KV pool: {(total - free) / 2**30:.1f} GiB of "
-                f"{total / 2**30:.1f} GiB are in use after loading the weights; raise "
-                "--mem-fraction-static or use a smaller model"
-            )
-        return int(budget // per_token)
+        return device_pool_tokens(total, total - free, args.mem_fraction, per_token, args.page_size)
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     tokens = int(total * (args.mem_fraction or DEFAULT_MEM_FRACTION) / per_token)
     cap = DEFAULT_MAX_TOTAL_TOKENS if args.mem_fraction is None else tokens
     return max(4 * args.page_size, min(tokens, cap))
+
+
+def device_pool_tokens(
+    total: int, in_use: int, mem_fraction: float | None, per_token: int, page_size: int
+) -> int:
+    """KV pool tokens of an accelerator with `total` bytes of which `in_use` are taken once
+    the weights are loaded (SGLang's `--mem-fraction-static` rule, see `_pool_tokens`);
+    `rsgl bench simulate` sizes the pools of devices it does not have with it."""
+    budget = total * (mem_fraction or DEFAULT_CUDA_MEM_FRACTION) - in_use
+    if budget < 4 * page_size * per_token:
+        raise RuntimeError(
+            f"no GPU memory left for the KV pool: {in_use / 2**30:.1f} GiB of "
+            f"{total / 2**30:.1f} GiB are in use after loading the weights; raise "
+            "--mem-fraction-static or use a smaller model"
+        )
+    return int(budget // per_token)
 
 
 def build_loop(

@@ -425,7 +425,7 @@ async def run_benchmark(
 # Metrics
 
 
-def _ms_stats(name: str, seconds: Sequence[float]) -> dict[str, float]:
+def _ms_stats(name: str, seconds: Sequence[float] | np.ndarray) -> dict[str, float]:
     values = np.asarray(seconds, dtype=np.float64) * 1000.0
     if values.size == 0:
         return {f"mean_{name}_ms": 0.0, f"median_{name}_ms": 0.0, f"p99_{name}_ms": 0.0}
@@ -443,32 +443,61 @@ def summarize(run: BenchRun) -> dict[str, Any]:
     needs at least two output tokens; ITL pools every gap of every request.
     """
     ok = [r for r in run.results if r.success]
-    duration = max(run.duration, 1e-9)
-    input_tokens = sum(r.prompt_len for r in ok)
-    output_tokens = sum(r.output_tokens for r in ok)
-    tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    errors = [r.error for r in run.results if not r.success]
+    reported = [r.cached_tokens is not None for r in ok]
+    return summarize_arrays(
+        run.duration,
+        prompt_lens=np.asarray([r.prompt_len for r in ok], dtype=np.int64),
+        output_tokens=np.asarray([r.output_tokens for r in ok], dtype=np.int64),
+        ttft=np.asarray([r.ttft for r in ok], dtype=np.float64),
+        e2e=np.asarray([r.e2e for r in ok], dtype=np.float64),
+        itl=np.asarray([gap for r in ok for gap in r.itl], dtype=np.float64),
+        cached_tokens=np.asarray([r.cached_tokens or 0 for r in ok], dtype=np.int64),
+        cache_reported=np.asarray(reported, dtype=bool),
+        errors=[r.error for r in run.results if not r.success],
+    )
+
+
+def summarize_arrays(
+    duration: float,
+    *,
+    prompt_lens: np.ndarray,
+    output_tokens: np.ndarray,
+    ttft: np.ndarray,
+    e2e: np.ndarray,
+    itl: np.ndarray,
+    cached_tokens: np.ndarray,
+    cache_reported: np.ndarray,
+    errors: Sequence[str] = (),
+) -> dict[str, Any]:
+    """`summarize` over the successful requests' values as arrays (one entry per request,
+    seconds; `itl` pools every gap), for callers that never hold one object per request
+    (`rsgl bench simulate`). `cache_reported` marks the requests whose server reported
+    `cached_tokens`."""
+    safe = max(duration, 1e-9)
+    input_total = int(prompt_lens.sum())
+    output_total = int(output_tokens.sum())
+    several = output_tokens > 1
+    tpots = (e2e[several] - ttft[several]) / (output_tokens[several] - 1)
     summary: dict[str, Any] = {
-        "successes": len(ok),
-        "failures": len(run.results) - len(ok),
-        "duration_s": round(run.duration, 3),
-        "total_input_tokens": input_tokens,
-        "total_output_tokens": output_tokens,
-        "request_throughput": round(len(ok) / duration, 3),
-        "input_throughput": round(input_tokens / duration, 3),
-        "output_throughput": round(output_tokens / duration, 3),
-        "total_token_throughput": round((input_tokens + output_tokens) / duration, 3),
+        "successes": len(prompt_lens),
+        "failures": len(errors),
+        "duration_s": round(duration, 3),
+        "total_input_tokens": input_total,
+        "total_output_tokens": output_total,
+        "request_throughput": round(len(prompt_lens) / safe, 3),
+        "input_throughput": round(input_total / safe, 3),
+        "output_throughput": round(output_total / safe, 3),
+        "total_token_throughput": round((input_total + output_total) / safe, 3),
         # Little's law: the mean number of requests in flight over the run.
-        "concurrency": round(sum(r.e2e for r in ok) / duration, 3),
+        "concurrency": round(float(e2e.sum()) / safe, 3),
     }
-    summary |= _ms_stats("ttft", [r.ttft for r in ok])
+    summary |= _ms_stats("ttft", ttft)
     summary |= _ms_stats("tpot", tpots)
-    summary |= _ms_stats("itl", [gap for r in ok for gap in r.itl])
-    summary |= _ms_stats("e2e", [r.e2e for r in ok])
-    reported = [r for r in ok if r.cached_tokens is not None]
-    cached = sum(r.cached_tokens or 0 for r in reported)
-    summary["total_cached_tokens"] = cached if reported else None
-    reported_prompt = sum(r.prompt_len for r in reported)
+    summary |= _ms_stats("itl", itl)
+    summary |= _ms_stats("e2e", e2e)
+    cached = int(cached_tokens[cache_reported].sum())
+    summary["total_cached_tokens"] = cached if cache_reported.any() else None
+    reported_prompt = int(prompt_lens[cache_reported].sum())
     summary["cache_hit_rate"] = round(cached / reported_prompt, 4) if reported_prompt else None
     if errors:
         summary["first_error"] = errors[0]
@@ -516,6 +545,21 @@ def _rate(value: str) -> float:
     return rate
 
 
+def add_workload_args(parser: argparse.ArgumentParser, datasets: Sequence[str]) -> None:
+    """The dataset and arrival options (`rsgl bench serving`'s, shared by `rsgl bench
+    simulate`, whose datasets add a recorded trace)."""
+    parser.add_argument("--dataset", choices=list(datasets), default="random")
+    parser.add_argument("--num-prompts", type=int, default=128, help="random dataset only")
+    parser.add_argument("--random-input-len", type=int, default=100)
+    parser.add_argument("--random-output-len", type=int, default=128)
+    parser.add_argument("--gsp-num-groups", type=int, default=16)
+    parser.add_argument("--gsp-prompts-per-group", type=int, default=16)
+    parser.add_argument("--gsp-system-prompt-len", type=int, default=1024)
+    parser.add_argument("--gsp-question-len", type=int, default=128)
+    parser.add_argument("--gsp-output-len", type=int, default=128)
+    parser.add_argument("--request-rate", type=_rate, default=math.inf, help="req/s, or inf")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `rsgl bench serving` argument parser."""
     parser = argparse.ArgumentParser(
@@ -531,16 +575,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tokenizer", default=None, help="HF tokenizer dir or id (default: the embedded model's)"
     )
-    parser.add_argument("--dataset", choices=["random", "gsp"], default="random")
-    parser.add_argument("--num-prompts", type=int, default=128, help="random dataset only")
-    parser.add_argument("--random-input-len", type=int, default=100)
-    parser.add_argument("--random-output-len", type=int, default=128)
-    parser.add_argument("--gsp-num-groups", type=int, default=16)
-    parser.add_argument("--gsp-prompts-per-group", type=int, default=16)
-    parser.add_argument("--gsp-system-prompt-len", type=int, default=1024)
-    parser.add_argument("--gsp-question-len", type=int, default=128)
-    parser.add_argument("--gsp-output-len", type=int, default=128)
-    parser.add_argument("--request-rate", type=_rate, default=math.inf, help="req/s, or inf")
+    add_workload_args(parser, ("random", "gsp"))
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--disable-ignore-eos", action="store_true")

@@ -1,0 +1,170 @@
+"""A simulated deployment: the model, its replicas' cores and the cost of their steps.
+
+`Layout` is what capacity planning varies (data-parallel replicas x tensor-parallel ranks
+per replica); `Deployment` turns the engine options plus a cost source into what the
+`Simulation` needs: a core factory sized as the server sizes its pool, and a cost model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rsgl._core import Scheduler
+from rsgl.args import EngineArgs
+from rsgl.bench.sim.cost import (
+    DTYPE_BYTES,
+    CostModel,
+    FixedCost,
+    HardwareSpec,
+    LinearCost,
+    ModelFootprint,
+    RooflineCost,
+)
+from rsgl.bench.sim.driver import Simulation
+from rsgl.bench.sim.workload import WorkloadSpec, make_workload
+from rsgl.distributed.sharding import TPShard
+from rsgl.model_executor.kv_cache import KVCache, resolve_kv_cache_dtype
+from rsgl.models.config import ModelConfig
+from rsgl.stack import _pool_tokens, build_core, device_pool_tokens
+
+# The model dtype a GPU deployment runs when --dtype is auto (as the loader picks on CUDA).
+GPU_DEFAULT_DTYPE = "bfloat16"
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """`dp` replicas of `tp` tensor-parallel ranks each."""
+
+    dp: int
+    tp: int
+
+    @classmethod
+    def parse(cls, text: str) -> Layout:
+        """ "DPxTP", e.g. "4x2"."""
+        dp, _, tp = text.lower().partition("x")
+        return cls(int(dp), int(tp or 1))
+
+    def __str__(self) -> str:
+        return f"{self.dp}x{self.tp}"
+
+
+@dataclass(frozen=True, slots=True)
+class Deployment:
+    """The engine options and model a simulation runs, and where step costs come from:
+    exactly one of `fixed_step_s`, `linear` (a calibration) or `spec` (a roofline)."""
+
+    args: EngineArgs
+    config: ModelConfig
+    fixed_step_s: float | None = None
+    linear: LinearCost | None = None
+    spec: HardwareSpec | None = None
+
+    def with_layout(self, layout: Layout) -> Deployment:
+        return dataclasses.replace(
+            self, args=dataclasses.replace(self.args, dp_size=layout.dp, tp_size=layout.tp)
+        )
+
+    @property
+    def context_length(self) -> int:
+        return self.args.context_length or self.config.max_position_embeddings
+
+    @property
+    def dtype(self) -> str:
+        if self.args.dtype != "auto":
+            return self.args.dtype
+        return GPU_DEFAULT_DTYPE if self.spec is not None else "float32"
+
+    def kv_heads_per_rank(self) -> int:
+        """The KV heads of the tensor-parallel rank that holds the most (it sizes the pool
+        on a GPU, as `rsgl.stack._pool_tokens` does)."""
+        tp = self.args.tp_size
+        if tp == 1:
+            return self.config.num_key_value_heads
+        return max(TPShard.of(self.config, tp, r).num_kv_heads for r in range(tp))
+
+    def footprint(self) -> ModelFootprint:
+        return ModelFootprint.of(
+            self.config, self.dtype, self.args.tp_size, self.kv_heads_per_rank()
+        )
+
+    def max_total_tokens(self) -> int:
+        """The KV pool of one replica: --max-total-tokens, else sized as the server sizes it
+        (a GPU spec: its memory minus this rank's weights, `device_pool_tokens`; otherwise
+        this machine's CPU rule)."""
+        args = self.args
+        if args.max_total_tokens:
+            return args.max_total_tokens
+        torch_dtype = getattr(torch, self.dtype)
+        if self.spec is None:
+            return _pool_tokens(args, self.config, torch_dtype)
+        kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, torch_dtype)
+        per_token = KVCache.bytes_per_slot(self.config, kv_dtype, self.kv_heads_per_rank())
+        c = self.config
+        embedding = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
+        weights = self.footprint().weight_bytes + embedding * DTYPE_BYTES[self.dtype] / args.tp_size
+        return device_pool_tokens(
+            self.spec.memory_bytes, int(weights), args.mem_fraction, per_token, args.page_size
+        )
+
+    def core_factory(self) -> Callable[[], Scheduler]:
+        tokens = self.max_total_tokens()
+        return lambda: build_core(self.args, tokens, self.context_length, self.config)
+
+    def cost_model(self) -> CostModel:
+        if self.fixed_step_s is not None:
+            return FixedCost(self.fixed_step_s)
+        if self.linear is not None:
+            return self.linear
+        if self.spec is None:
+            raise ValueError("no cost model: give --hardware, --cost-model or --fixed-step-ms")
+        return RooflineCost(self.spec, self.footprint(), self.dtype, self.args.tp_size)
+
+    def describe(self) -> dict[str, Any]:
+        source: Any = "fixed" if self.fixed_step_s is not None else None
+        if self.linear is not None:
+            source = {"calibration": self.linear.meta}
+        if self.spec is not None:
+            source = {"hardware": self.spec.name}
+        return {
+            "dp_size": self.args.dp_size,
+            "tp_size": self.args.tp_size,
+            "dtype": self.dtype,
+            "cost_model": source,
+            "max_total_tokens": self.max_total_tokens(),
+            "load_balance_method": self.args.load_balance_method,
+        }
+
+    def simulate(
+        self, spec: WorkloadSpec, rate: float, duration_s: float | None = None
+    ) -> dict[str, Any]:
+        """One simulation of `spec` at `rate`: its report, with this deployment and the
+        simulator's own speed (events, wall seconds, events per second)."""
+        workload = make_workload(spec, rate, duration_s)
+        sim = Simulation(
+            self.core_factory(),
+            self.cost_model(),
+            workload,
+            dp_size=self.args.dp_size,
+            load_balance_method=self.args.load_balance_method,
+            context_length=self.context_length,
+            overlap=not self.args.disable_overlap_schedule,
+        )
+        started = time.perf_counter()
+        summary = sim.run()
+        wall = time.perf_counter() - started
+        summary["sim_wall_s"] = round(wall, 3)
+        summary["events_per_s"] = round(sim.events / wall, 1) if wall > 0 else None
+        return {
+            "dataset": spec.dataset,
+            "num_prompts": len(workload),
+            "request_rate": "inf" if math.isinf(rate) else rate,
+            **self.describe(),
+            **summary,
+        }

@@ -1,0 +1,251 @@
+"""Step cost models: how long one step of a given shape takes on the simulated device.
+
+A step is described by its `StepShape` (what the scheduling core planned: rows, tokens
+computed, KV read, prefix hits), never by its token ids, so the simulator runs no model
+math. Two models price a shape:
+
+- `LinearCost`: seconds = c · features(shape), least-squares fitted to steps of the real
+  model timed on this machine (`rsgl bench simulate --calibrate`, `calibrate.py`) and saved
+  as JSON (`--cost-model file.json`).
+- `RooflineCost`: a device's published memory bandwidth, peak FLOP/s for the dtype and
+  interconnect bandwidth (`HardwareSpec`, shipped for H100 and H200 in `specs/`) applied to a
+  model config: a step takes the longer of reading its bytes (weights once, the KV it
+  attends to) and computing its FLOPs, plus the tensor-parallel all-reduces and a fixed
+  per-step overhead. Efficiency factors derate the peaks (they are assumptions, stated in the
+  spec files, not published figures).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from rsgl._core import Plan
+    from rsgl.models.config import ModelConfig
+
+# LinearCost's features, in coefficient order.
+FEATURES = ("step", "batch_size", "new_tokens", "attention_pairs", "num_extends")
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What one step computes, as the cost models see it.
+
+    `context_tokens` is the KV the step reads (every row's sequence length), and
+    `attention_pairs` the query-key pairs it scores: a decode row scores its whole context,
+    an extend row of `e` new tokens after a cached prefix `p` scores `e · (p + (e + 1) / 2)`.
+    """
+
+    batch_size: int
+    new_tokens: int
+    num_extends: int
+    context_tokens: int
+    prefix_tokens: int
+    attention_pairs: float
+
+    @classmethod
+    def of(cls, plan: Plan) -> StepShape:
+        n = plan.num_extends
+        if n == 0:  # decode: one token per row, each scoring its whole context
+            context = int(plan.seq_lens.sum())
+            return cls(plan.batch_size, plan.num_tokens, 0, context, 0, float(context))
+        extend = plan.extend_lens
+        prefix = plan.prefix_lens
+        pairs = float(np.dot(extend, prefix) + 0.5 * np.dot(extend, extend + 1))
+        return cls(
+            plan.batch_size,
+            plan.num_tokens,
+            n,
+            int(plan.seq_lens.sum()),
+            int(prefix[:n].sum()),
+            pairs,
+        )
+
+    def features(self) -> list[float]:
+        """LinearCost's feature vector (see FEATURES)."""
+        return [
+            1.0,
+            float(self.batch_size),
+            float(self.new_tokens),
+            self.attention_pairs,
+            float(self.num_extends),
+        ]
+
+
+class CostModel(Protocol):
+    """Seconds one step of `shape` takes."""
+
+    def step_seconds(self, shape: StepShape) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class FixedCost:
+    """Every step takes `seconds` (tests: a deterministic clock)."""
+
+    seconds: float
+
+    def step_seconds(self, shape: StepShape) -> float:
+        return self.seconds
+
+
+@dataclass(frozen=True, slots=True)
+class LinearCost:
+    """seconds = Σ coefficients[i] · features[i] (FEATURES), at least `floor_s`."""
+
+    coefficients: tuple[float, ...]
+    floor_s: float = 1e-5
+    # Where the fit came from (machine, model, dtype, grid), and how well it fits.
+    meta: dict[str, Any] | None = None
+
+    def step_seconds(self, shape: StepShape) -> float:
+        c = self.coefficients
+        t = (
+            c[0]
+            + c[1] * shape.batch_size
+            + c[2] * shape.new_tokens
+            + c[3] * shape.attention_pairs
+            + c[4] * shape.num_extends
+        )
+        return t if t > self.floor_s else self.floor_s
+
+    @classmethod
+    def fit(
+        cls, shapes: list[StepShape], seconds: list[float], meta: dict[str, Any] | None = None
+    ) -> LinearCost:
+        """The least-squares fit of `seconds` over the shapes' features, weighted by
+        1 / seconds so that short decode steps are fitted as closely (relatively) as long
+        prefills. Records the fit's mean and worst relative error in `meta`."""
+        x = np.asarray([s.features() for s in shapes], dtype=np.float64)
+        y = np.asarray(seconds, dtype=np.float64)
+        w = 1.0 / y
+        coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
+        model = cls(tuple(float(c) for c in coef), meta=dict(meta or {}))
+        predicted = np.asarray([model.step_seconds(s) for s in shapes])
+        rel = np.abs(predicted - y) / y
+        assert model.meta is not None
+        model.meta["fit_mean_rel_error"] = round(float(rel.mean()), 4)
+        model.meta["fit_max_rel_error"] = round(float(rel.max()), 4)
+        model.meta["samples"] = len(shapes)
+        return model
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": "linear",
+            "features": list(FEATURES),
+            "coefficients": list(self.coefficients),
+            "floor_s": self.floor_s,
+            "meta": self.meta or {},
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class HardwareSpec:
+    """One accelerator's published figures (see `specs/*.json` for their sources)."""
+
+    name: str
+    memory_bytes: int
+    memory_bandwidth: float  # bytes/s
+    peak_flops: dict[str, float]  # dtype -> FLOP/s (dense)
+    interconnect_bandwidth: float  # bytes/s per direction per GPU
+    efficiency: dict[str, float]  # memory, compute, interconnect: share of peak reached
+    allreduce_latency_s: float
+    step_overhead_s: float
+    source: str = ""
+
+    @classmethod
+    def load(cls, name_or_path: str) -> HardwareSpec:
+        """A shipped spec by name (`h100`, `h200`, or a file stem in `specs/`), or a JSON
+        file of the same fields."""
+        path = Path(name_or_path)
+        if path.suffix == ".json" and path.exists():
+            return cls(**json.loads(path.read_text()))
+        specs = resources.files("rsgl.bench.sim") / "specs"
+        names = sorted(p.name.removesuffix(".json") for p in specs.iterdir())
+        for stem in names:
+            if stem == name_or_path or stem.split("-")[0] == name_or_path:
+                return cls(**json.loads((specs / f"{stem}.json").read_text()))
+        raise ValueError(f"unknown hardware spec {name_or_path!r}: one of {names} or a file")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFootprint:
+    """What a model costs per step on one tensor-parallel rank (bytes, FLOPs per token)."""
+
+    weight_bytes: float  # read once per step (the rank's shard, LM head included)
+    flops_per_token: float  # matmul FLOPs per computed token, LM head excluded
+    lm_head_flops: float  # per sampled row
+    kv_bytes_per_token: float  # this rank's K and V of one token, all layers
+    attention_flops_per_pair: float  # QK^T and PV over this rank's heads, all layers
+    allreduce_bytes_per_token: float  # one all-reduce's message per token (hidden x dtype)
+    allreduces_per_step: int  # two per layer (attention out, MLP down)
+
+    @classmethod
+    def of(
+        cls, config: ModelConfig, dtype: str, tp_size: int, kv_heads_per_rank: int
+    ) -> ModelFootprint:
+        b = DTYPE_BYTES[dtype]
+        h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+        per_layer = h * config.q_size + 2 * h * config.kv_size + config.q_size * h + 3 * h * inter
+        lm_head = h * config.vocab_size
+        q_heads = config.num_attention_heads / tp_size
+        return cls(
+            weight_bytes=(layers * per_layer + lm_head) * b / tp_size,
+            flops_per_token=2.0 * layers * per_layer / tp_size,
+            lm_head_flops=2.0 * lm_head / tp_size,
+            kv_bytes_per_token=2.0 * layers * kv_heads_per_rank * config.head_dim * b,
+            attention_flops_per_pair=4.0 * layers * q_heads * config.head_dim,
+            allreduce_bytes_per_token=float(h * b),
+            allreduces_per_step=2 * layers if tp_size > 1 else 0,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RooflineCost:
+    """A step on `spec` for a model whose per-rank costs are `model` (see the module doc)."""
+
+    spec: HardwareSpec
+    model: ModelFootprint
+    dtype: str
+    tp_size: int = 1
+
+    def step_seconds(self, shape: StepShape) -> float:
+        spec, m = self.spec, self.model
+        eff = spec.efficiency
+        read = m.weight_bytes + m.kv_bytes_per_token * (shape.context_tokens + shape.new_tokens)
+        flops = (
+            m.flops_per_token * shape.new_tokens
+            + m.lm_head_flops * shape.batch_size
+            + m.attention_flops_per_pair * shape.attention_pairs
+        )
+        memory_s = read / (spec.memory_bandwidth * eff["memory"])
+        compute_s = flops / (spec.peak_flops[self.dtype] * eff["compute"])
+        comm_s = 0.0
+        if m.allreduces_per_step:
+            # A ring all-reduce moves 2 (n - 1) / n of the message through each GPU's link.
+            n = self.tp_size
+            message = m.allreduce_bytes_per_token * shape.new_tokens
+            per_call = (
+                2 * (n - 1) / n * message / (spec.interconnect_bandwidth * eff["interconnect"])
+            )
+            comm_s = m.allreduces_per_step * (spec.allreduce_latency_s + per_call)
+        return max(memory_s, compute_s) + comm_s + spec.step_overhead_s
+
+
+def load_cost_model(path: str | Path) -> LinearCost:
+    """A cost model saved by `--calibrate` (`LinearCost.to_json`)."""
+    data = json.loads(Path(path).read_text())
+    if data.get("kind") != "linear" or list(data.get("features", [])) != list(FEATURES):
+        raise ValueError(f"{path}: not a linear cost model over {FEATURES}")
+    return LinearCost(tuple(data["coefficients"]), float(data["floor_s"]), data.get("meta"))
+
+
+def spec_as_dict(spec: HardwareSpec) -> dict[str, Any]:
+    return asdict(spec)

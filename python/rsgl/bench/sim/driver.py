@@ -1,0 +1,225 @@
+"""The simulation: real scheduling cores on a virtual clock.
+
+Each replica is a real `rsgl._core.Scheduler`, built as the server builds it
+(`rsgl.stack.build_core`), and requests reach the replicas through the server's own
+`Dispatcher`. Each replica follows `SchedulerLoop._run`'s order of calls exactly: drain the
+arrivals, `schedule()`, launch; in overlap mode (the default) the next plan is made while
+the previous step runs and that step is committed afterwards. Nothing is computed and
+nothing sleeps: a launched step ends `cost.step_seconds(StepShape.of(plan))` after the
+device is free, and its tokens (a constant id: every request ignores EOS, as
+`rsgl bench serving` sends them) are committed at that virtual time. TTFT, ITL and E2E are
+virtual times, summarized by `rsgl bench serving`'s own report code.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rsgl._core import Plan, Scheduler
+from rsgl.bench.serving import summarize_arrays
+from rsgl.bench.sim.cost import CostModel, StepShape
+from rsgl.bench.sim.workload import Workload
+from rsgl.server.dispatcher import Dispatcher
+
+# The token every step samples; requests ignore EOS, so its value never ends one.
+SAMPLED_TOKEN = 100
+
+# Called with (replica, plan) for every launched step (tests compare step sequences).
+OnLaunch = Callable[[int, Plan], None]
+
+
+@dataclass(slots=True)
+class _Launched:
+    plan: Plan
+    end: float
+
+
+@dataclass(slots=True)
+class _Replica:
+    core: Scheduler
+    pending: list[tuple[int, np.ndarray, int]] = field(default_factory=list)
+    launched: _Launched | None = None
+    nxt: _Launched | None = None
+    committing: bool = False  # a wake-up at `launched.end` commits it
+    asleep: bool = True
+    steps: int = 0
+    busy_s: float = 0.0
+
+
+class Simulation:
+    """Replicas behind a dispatcher, driven through `workload` on a virtual clock.
+
+    `make_core()` builds one replica's core; `cost` prices each step. `run()` returns the
+    report (the fields of `rsgl bench serving`'s, plus the simulation's own).
+    """
+
+    def __init__(
+        self,
+        make_core: Callable[[], Scheduler],
+        cost: CostModel,
+        workload: Workload,
+        *,
+        dp_size: int = 1,
+        load_balance_method: str = "round_robin",
+        context_length: int | None = None,
+        overlap: bool = True,
+        on_launch: OnLaunch | None = None,
+    ) -> None:
+        self.cost = cost
+        self.workload = workload
+        self.overlap = overlap
+        self.on_launch = on_launch
+        self.replicas = [_Replica(make_core()) for _ in range(dp_size)]
+        capacities = [int(r.core.config["max_total_tokens"]) for r in self.replicas]
+        self.dispatcher = Dispatcher(
+            dp_size, load_balance_method, capacities, context_length=context_length
+        )
+        n = len(workload)
+        self.prompt_lens = np.zeros(n, dtype=np.int64)
+        self.first_token = np.full(n, -1.0)
+        self.last_token = np.full(n, -1.0)
+        self.finish = np.full(n, -1.0)
+        self.output_tokens = np.zeros(n, dtype=np.int64)
+        self.cached_tokens = np.zeros(n, dtype=np.int64)
+        self._itl: list[np.ndarray] = []
+        self._tokens = np.full(1 << 12, SAMPLED_TOKEN, dtype=np.int64)
+        self._wakeups: list[tuple[float, int, int]] = []  # (time, seq, replica)
+        self._seq = 0
+        self.events = 0
+        self.refused: list[str] = []
+
+    # ------------------------------------------------------------------ the event loop
+
+    def run(self) -> dict[str, Any]:
+        arrivals = self.workload.arrivals
+        requests = self.workload.requests()
+        wakeups = self._wakeups
+        n = len(arrivals)
+        k = 0
+        while k < n or wakeups:
+            t_arrival = arrivals[k] if k < n else math.inf
+            if wakeups and wakeups[0][0] < t_arrival:
+                t, _, r = heapq.heappop(wakeups)
+                self._resume(r, t)
+            else:
+                prompt, output_len = next(requests)
+                self._arrive(k, float(t_arrival), prompt, output_len)
+                k += 1
+            self.events += 1
+        return self.report()
+
+    def _wake(self, r: int, t: float) -> None:
+        self._seq += 1
+        heapq.heappush(self._wakeups, (t, self._seq, r))
+
+    def _arrive(self, i: int, now: float, prompt: np.ndarray, output_len: int) -> None:
+        self.prompt_lens[i] = len(prompt)
+        d = self.dispatcher
+        if d.dp_size == 1:
+            r = 0
+        else:
+            # Only the cache-aware method reads the ids (it hashes them into its records).
+            ids: list[int] = prompt.tolist() if d.method == "cache_aware" else []
+            r = d.assign(str(i), ids, d.cost(len(prompt), output_len))
+        replica = self.replicas[r]
+        replica.pending.append((i, prompt, output_len))
+        if replica.asleep:
+            replica.asleep = False
+            self._wake(r, now)
+
+    def _resume(self, r: int, now: float) -> None:
+        """Replica `r`'s loop at `now`: commit the step that ends now (if that is why it
+        woke), then plan and launch until it must wait for a step to end (or sleeps)."""
+        rep = self.replicas[r]
+        core = rep.core
+        if rep.committing:
+            assert rep.launched is not None
+            self._commit(rep, rep.launched.plan, now)
+            rep.launched, rep.nxt, rep.committing = rep.nxt, None, False
+        while True:
+            for i, prompt, output_len in rep.pending:
+                try:
+                    core.add_request(i, prompt, output_len, ignore_eos=True)
+                except ValueError as exc:
+                    self.refused.append(f"request {i}: {exc}")
+                    self.dispatcher.release(str(i))
+            rep.pending.clear()
+            plan = core.schedule()
+            nxt = None
+            if plan.forward_mode != "idle":
+                start = now if rep.launched is None else max(now, rep.launched.end)
+                seconds = self.cost.step_seconds(StepShape.of(plan))
+                nxt = _Launched(plan, start + seconds)
+                rep.steps += 1
+                rep.busy_s += seconds
+                if self.on_launch is not None:
+                    self.on_launch(r, plan)
+            if rep.launched is not None:
+                # Overlap: the plan just made waits while the running step ends.
+                rep.nxt, rep.committing = nxt, True
+                self._wake(r, rep.launched.end)
+                return
+            rep.launched = nxt
+            if nxt is None:
+                if core.has_work:
+                    raise RuntimeError(f"replica {r}: work left but nothing to schedule")
+                rep.asleep = True
+                return
+            if not self.overlap:
+                rep.committing = True
+                self._wake(r, nxt.end)
+                return
+
+    def _commit(self, rep: _Replica, plan: Plan, now: float) -> None:
+        outcome = rep.core.commit(plan.id, self._tokens[: plan.batch_size])
+        rids = outcome.rids
+        if len(rids):
+            prev = self.last_token[rids]
+            started = prev >= 0
+            self.first_token[rids[~started]] = now
+            if started.any():
+                self._itl.append(now - prev[started])
+            self.last_token[rids] = now
+        for f in outcome.finished:
+            i = f.rid
+            self.finish[i] = now
+            self.output_tokens[i] = f.completion_tokens
+            self.cached_tokens[i] = f.cached_tokens
+            if self.dispatcher.dp_size > 1:
+                self.dispatcher.release(str(i))
+
+    # ------------------------------------------------------------------ the report
+
+    def report(self) -> dict[str, Any]:
+        """`rsgl bench serving`'s summary of the virtual run, plus retractions, steps and
+        each replica's pool size and busy share."""
+        arrivals = self.workload.arrivals
+        done = self.finish >= 0
+        end = float(self.finish[done].max()) if done.any() else 0.0
+        duration = end - float(arrivals[0]) if len(arrivals) else 0.0
+        ok = done & (self.first_token >= 0)
+        summary = summarize_arrays(
+            duration,
+            prompt_lens=self.prompt_lens[ok],
+            output_tokens=self.output_tokens[ok],
+            ttft=self.first_token[ok] - arrivals[ok],
+            e2e=self.finish[ok] - arrivals[ok],
+            itl=np.concatenate(self._itl) if self._itl else np.zeros(0),
+            cached_tokens=self.cached_tokens[ok],
+            cache_reported=np.ones(int(ok.sum()), dtype=bool),
+            errors=self.refused,
+        )
+        stats = [r.core.stats() for r in self.replicas]
+        summary["retractions"] = int(sum(s["retractions"] for s in stats))
+        summary["steps"] = int(sum(r.steps for r in self.replicas))
+        summary["events"] = self.events
+        summary["max_total_tokens"] = int(stats[0]["capacity"]) if stats else 0
+        busy = [r.busy_s / duration if duration else 0.0 for r in self.replicas]
+        summary["replica_busy_mean"] = round(float(np.mean(busy)), 4) if busy else 0.0
+        return summary

@@ -1,0 +1,271 @@
+"""`rsgl bench simulate`: the simulator makes the server's scheduling decisions (the real
+loop over the null runner plans the same steps for the same arrivals), virtual times follow
+the cost model, the cost models price shapes as their inputs say, replicas sit behind the
+real dispatcher, and the capacity search finds the rate where the SLO breaks."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rsgl.args import EngineArgs
+from rsgl.bench.sim.capacity import find_capacity, parse_slo, slo_holds
+from rsgl.bench.sim.cluster import Deployment, Layout
+from rsgl.bench.sim.cost import (
+    FixedCost,
+    HardwareSpec,
+    LinearCost,
+    StepShape,
+    load_cost_model,
+)
+from rsgl.bench.sim.driver import Simulation
+from rsgl.bench.sim.workload import Workload, WorkloadSpec, make_workload, read_trace
+from rsgl.bench.simulate import main
+from rsgl.model_executor.null_runner import NullRunner
+from rsgl.models.config import ModelConfig
+from rsgl.scheduler.loop import SchedulerLoop
+from rsgl.stack import build_core
+
+LLAMA3_8B = Path(__file__).resolve().parents[2] / "benches" / "configs" / "llama3-8b"
+GSP_TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "gsp.jsonl.gz"
+
+
+def _config() -> ModelConfig:
+    return ModelConfig.from_model_dir(LLAMA3_8B)
+
+
+def _mixed_requests(n: int, seed: int = 1) -> list[tuple[np.ndarray, int]]:
+    """Prompts of many lengths, some sharing a prefix, with outputs long enough that a
+    small pool must retract."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(10, 30000, 96)
+    out = []
+    for i in range(n):
+        own = rng.integers(10, 30000, int(rng.integers(8, 200)))
+        prompt = np.concatenate([shared, own]) if i % 3 == 0 else own
+        out.append((prompt, int(rng.integers(32, 160))))
+    return out
+
+
+ARGS = EngineArgs(
+    load_format="null",
+    max_total_tokens=1400,
+    chunked_prefill_size=128,
+    max_running_requests=16,
+)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_simulator_plans_the_steps_the_real_loop_plans(overlap: bool) -> None:
+    config = _config()
+    requests = _mixed_requests(40)
+
+    def compositions(plans: list[tuple[str, list[int], list[int]]]) -> list[tuple]:
+        return [(mode, tuple(rids), tuple(ext)) for mode, rids, ext in plans]
+
+    # The simulator: every request arrives at time 0, every step takes 1 ms.
+    simulated: list[tuple[str, list[int], list[int]]] = []
+    workload = Workload(np.zeros(len(requests)), WorkloadSpec(), recorded=requests)
+    sim = Simulation(
+        lambda: build_core(ARGS, 1400, 8192, config),
+        FixedCost(0.001),
+        workload,
+        overlap=overlap,
+        on_launch=lambda r, p: simulated.append(
+            (p.forward_mode, p.rids.tolist(), p.extend_lens.tolist())
+        ),
+    )
+    report = sim.run()
+    assert report["successes"] == len(requests)
+    assert report["retractions"] > 0  # the pool is small enough to make it retract
+
+    # The real loop over the null runner, the same requests queued before it starts.
+    real: list[tuple[str, list[int], list[int]]] = []
+
+    class RecordingRunner(NullRunner):
+        def prepare(self, plan):  # type: ignore[no-untyped-def]
+            real.append((plan.forward_mode, plan.rids.tolist(), plan.extend_lens.tolist()))
+            return super().prepare(plan)
+
+    from rsgl.sampling_params import SamplingParams
+
+    done = threading.Event()
+    finished: list[str] = []
+
+    def emit(updates) -> None:  # type: ignore[no-untyped-def]
+        finished.extend(u.rid for u in updates if u.finish is not None)
+        if len(finished) == len(requests):
+            done.set()
+
+    core = build_core(ARGS, 1400, 8192, config)
+    runner = RecordingRunner(config, max_running_requests=16)
+    loop = SchedulerLoop(core, runner, emit, overlap=overlap)
+    for i, (prompt, out_len) in enumerate(requests):
+        params = SamplingParams(max_new_tokens=out_len, ignore_eos=True)
+        loop.submit(str(i), prompt.tolist(), params)
+    loop.start()
+    try:
+        assert done.wait(60)
+    finally:
+        loop.shutdown()
+    assert compositions(simulated) == compositions(real)
+
+
+def test_virtual_times_follow_the_cost_model() -> None:
+    config = _config()
+    # One request of 5 output tokens, 10 ms a step: its first token after one step, then
+    # one per step, in overlap mode as without it.
+    for overlap in (True, False):
+        workload = Workload(np.zeros(1), WorkloadSpec(), recorded=[(np.arange(10, 30), 5)])
+        sim = Simulation(
+            lambda: build_core(ARGS, 1400, 8192, config),
+            FixedCost(0.010),
+            workload,
+            overlap=overlap,
+        )
+        report = sim.run()
+        assert report["mean_ttft_ms"] == pytest.approx(10.0)
+        assert report["median_itl_ms"] == pytest.approx(10.0)
+        assert report["mean_e2e_ms"] == pytest.approx(50.0)
+        assert report["total_output_tokens"] == 5
+
+
+def test_a_request_arriving_mid_step_waits_for_the_running_steps() -> None:
+    config = _config()
+    # B arrives while A's prefill runs: in overlap mode A's first decode is already planned,
+    # so B is planned after it and its prefill runs third (ends at 30 ms, 25 ms after it came).
+    requests = [(np.arange(10, 30), 20), (np.arange(40, 60), 2)]
+    workload = Workload(np.array([0.0, 0.005]), WorkloadSpec(), recorded=requests)
+    sim = Simulation(lambda: build_core(ARGS, 1400, 8192, config), FixedCost(0.010), workload)
+    sim.run()
+    assert sim.first_token[1] == pytest.approx(0.030)
+
+
+def test_replicas_sit_behind_the_real_dispatcher() -> None:
+    config = _config()
+    requests = _mixed_requests(30, seed=3)
+    for method in ("round_robin", "total_requests", "total_tokens", "cache_aware"):
+        seen: set[int] = set()
+        workload = Workload(np.arange(30) * 0.002, WorkloadSpec(), recorded=requests)
+        sim = Simulation(
+            lambda: build_core(ARGS, 1400, 8192, config),
+            FixedCost(0.005),
+            workload,
+            dp_size=3,
+            load_balance_method=method,
+            on_launch=lambda r, p, seen=seen: seen.add(r),
+        )
+        report = sim.run()
+        assert report["successes"] == 30, method
+        assert seen == {0, 1, 2}, method
+        assert all(load.requests == 0 for load in sim.dispatcher.loads), method
+
+
+def test_the_linear_fit_recovers_its_coefficients(tmp_path: Path) -> None:
+    truth = LinearCost((2e-3, 1e-5, 4e-6, 3e-9, 5e-5))
+    rng = np.random.default_rng(0)
+    shapes = [
+        StepShape(int(b), int(t), int(e), int(c), 0, float(p))
+        for b, t, e, c, p in rng.integers(1, 5000, (40, 5))
+    ]
+    fitted = LinearCost.fit(shapes, [truth.step_seconds(s) for s in shapes], {"machine": "x"})
+    assert fitted.coefficients == pytest.approx(truth.coefficients, rel=1e-6)
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps(fitted.to_json()))
+    assert load_cost_model(path).coefficients == fitted.coefficients
+
+
+def test_the_roofline_prices_memory_compute_and_tensor_parallelism() -> None:
+    config = _config()
+    h100 = Deployment(EngineArgs(), config, spec=HardwareSpec.load("h100"))
+    h200 = Deployment(EngineArgs(), config, spec=HardwareSpec.load("h200"))
+    tp2 = h100.with_layout(Layout(1, 2))
+    decode = StepShape(8, 8, 0, 8 * 1024, 0, 8 * 1024.0)
+    prefill = StepShape(8, 8 * 2048, 8, 8 * 2048, 0, 8 * 2048 * 1024.5)
+    c100, c200, ctp2 = h100.cost_model(), h200.cost_model(), tp2.cost_model()
+    # Decode reads every weight: H200's bandwidth makes it faster, its FLOPs do not
+    # change a compute-bound prefill.
+    assert c200.step_seconds(decode) < c100.step_seconds(decode)
+    assert c200.step_seconds(prefill) == pytest.approx(c100.step_seconds(prefill), rel=0.01)
+    assert c100.step_seconds(prefill) > 10 * c100.step_seconds(decode)
+    # Two ranks halve the weights each reads, and pay for all-reduces.
+    assert ctp2.step_seconds(decode) < c100.step_seconds(decode)
+    assert ctp2.step_seconds(decode) > c100.step_seconds(decode) / 2
+    # The pool: 85% of the memory minus this rank's weights (16 GB of bf16 for 8B), over
+    # 128 KiB per token (32 layers x 8 KV heads x 128 x K and V x 2 bytes).
+    per_token = 2 * 32 * 8 * 128 * 2
+    assert h100.max_total_tokens() == pytest.approx(
+        (80 * 2**30 * 0.85 - 16.06e9) / per_token, rel=0.01
+    )
+    assert h200.max_total_tokens() == pytest.approx((141e9 * 0.85 - 16.06e9) / per_token, rel=0.01)
+    # Each of two ranks holds half the KV heads and half the weights.
+    assert tp2.max_total_tokens() > 2 * h100.max_total_tokens()
+
+
+def test_the_capacity_search_finds_where_the_slo_breaks() -> None:
+    slo = parse_slo("ttft_p99<200ms,itl_p99<0.05s")
+    assert slo == [("p99_ttft_ms", 200.0), ("p99_itl_ms", 50.0)]
+    with pytest.raises(ValueError, match="ttft_p42"):
+        parse_slo("ttft_p42<1s")
+    config = _config()
+    dep = Deployment(EngineArgs(max_total_tokens=20000), config, fixed_step_s=0.02)
+    spec = WorkloadSpec(num_prompts=150, random_input_len=64, random_output_len=16)
+    result = find_capacity(dep, spec, slo, Layout(1, 1), duration_s=None, tolerance=0.1)
+    best = result.best_rate
+    assert best is not None and best > 0
+    held = [p for p in result.points if slo_holds(p, slo)]
+    broken = [p for p in result.points if not slo_holds(p, slo)]
+    assert held and broken
+    assert max(p["request_rate"] for p in held) == best
+    assert min(p["request_rate"] for p in broken) > best
+    # Two replicas hold more.
+    two = find_capacity(dep, spec, slo, Layout(2, 1), duration_s=None, tolerance=0.1)
+    assert two.best_rate is not None and two.best_rate > best
+
+
+def test_workloads_and_traces() -> None:
+    requests, stamps = read_trace(GSP_TRACE)
+    assert len(requests) == 768 and stamps is None
+    spec = WorkloadSpec(dataset="trace", trace=str(GSP_TRACE))
+    assert len(make_workload(spec, 5.0)) == 768
+    gsp = WorkloadSpec(dataset="gsp", gsp_num_groups=3, gsp_prompts_per_group=4)
+    prompts = [p for p, _ in make_workload(gsp, math.inf).requests()]
+    assert len(prompts) == 12
+    prefixes = {tuple(p[:1024]) for p in prompts}
+    assert len(prefixes) == 3
+    rated = make_workload(WorkloadSpec(), 50.0, duration_s=20.0)
+    assert len(rated) == 1000 and rated.arrivals[-1] == pytest.approx(20.0, rel=0.1)
+
+
+def test_the_cli_prints_the_serving_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "sim.jsonl"
+    argv = ["--model-path", str(LLAMA3_8B), "--hardware", "h100", "--tp-size", "2"]
+    argv += ["--dp-size", "2", "--num-prompts", "40", "--request-rate", "20"]
+    assert main([*argv, "--output-file", str(out)]) == 0
+    record = json.loads(out.read_text())
+    for key in ("request_throughput", "p99_ttft_ms", "median_itl_ms", "p99_e2e_ms"):
+        assert record[key] > 0
+    assert record["cache_hit_rate"] == 0.0 and record["retractions"] == 0
+    assert record["successes"] == 40 and record["events_per_s"] > 0
+    assert "Serving Benchmark Result" in capsys.readouterr().err
+
+
+def test_the_capacity_report_has_plots_and_tables(tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    argv = ["--model-path", str(LLAMA3_8B), "--fixed-step-ms", "20", "--num-prompts", "60"]
+    argv += ["--random-output-len", "16", "--max-total-tokens", "20000"]
+    argv += ["--slo", "ttft_p99<200ms", "--layouts", "1x1,2x1", "--report-dir", str(out)]
+    assert main(argv) == 0
+    assert (out / "capacity.png").read_bytes().startswith(b"\x89PNG")
+    page = (out / "capacity.html").read_text()
+    assert "data:image/png;base64," in page and "<td>2x1</td>" in page
+    record = json.loads((out / "capacity.json").read_text())
+    best = {x["layout"]: x["best_rate"] for x in record["layouts"]}
+    assert best["2x1"] > best["1x1"] > 0
