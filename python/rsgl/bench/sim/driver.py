@@ -143,13 +143,8 @@ class Simulation:
             self._commit(rep, rep.launched.plan, now)
             rep.launched, rep.nxt, rep.committing = rep.nxt, None, False
         while True:
-            for i, prompt, output_len in rep.pending:
-                try:
-                    core.add_request(i, prompt, output_len, ignore_eos=True)
-                except ValueError as exc:
-                    self.refused.append(f"request {i}: {exc}")
-                    self.dispatcher.release(str(i))
-            rep.pending.clear()
+            if rep.pending:
+                self._admit(rep)
             plan = core.schedule()
             nxt = None
             if plan.forward_mode != "idle":
@@ -176,16 +171,28 @@ class Simulation:
                 self._wake(r, nxt.end)
                 return
 
+    def _admit(self, rep: _Replica) -> None:
+        for i, prompt, output_len in rep.pending:
+            try:
+                rep.core.add_request(i, prompt, output_len, ignore_eos=True)
+            except ValueError as exc:
+                self.refused.append(f"request {i}: {exc}")
+                self.dispatcher.release(str(i))
+        rep.pending.clear()
+
     def _commit(self, rep: _Replica, plan: Plan, now: float) -> None:
         outcome = rep.core.commit(plan.id, self._tokens[: plan.batch_size])
         rids = outcome.rids
         if len(rids):
-            prev = self.last_token[rids]
-            started = prev >= 0
-            self.first_token[rids[~started]] = now
-            if started.any():
+            last = self.last_token
+            prev = last[rids]
+            last[rids] = now
+            if plan.num_extends == 0:  # decode rows: every request has had its first token
+                self._itl.append(now - prev)
+            else:
+                started = prev >= 0
+                self.first_token[rids[~started]] = now
                 self._itl.append(now - prev[started])
-            self.last_token[rids] = now
         for f in outcome.finished:
             i = f.rid
             self.finish[i] = now
