@@ -269,3 +269,16 @@ def test_the_capacity_report_has_plots_and_tables(tmp_path: Path) -> None:
     record = json.loads((out / "capacity.json").read_text())
     best = {x["layout"]: x["best_rate"] for x in record["layouts"]}
     assert best["2x1"] > best["1x1"] > 0
+
+
+def test_the_linear_fit_never_makes_a_cost_negative() -> None:
+    # Noisy timings of decode steps only (batch = new tokens), where an unconstrained fit
+    # trades the two collinear features against each other.
+    rng = np.random.default_rng(1)
+    shapes = [StepShape(b, b, 0, b * c, 0, float(b * c)) for b in (1, 8) for c in (32, 128)]
+    shapes += [StepShape(1, n, 1, n, 0, n * (n + 1) / 2) for n in (32, 128)]
+    seconds = [0.02 * (1 + rng.normal(0, 0.3)) for _ in shapes]
+    fitted = LinearCost.fit(shapes, seconds)
+    assert min(fitted.coefficients) >= 0
+    long_prefill = StepShape(1, 4096, 1, 4096, 0, 4096 * 4097 / 2)
+    assert fitted.step_seconds(long_prefill) >= fitted.step_seconds(shapes[0]) > 0

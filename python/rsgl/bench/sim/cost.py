@@ -122,11 +122,22 @@ class LinearCost:
     ) -> LinearCost:
         """The least-squares fit of `seconds` over the shapes' features, weighted by
         1 / seconds so that short decode steps are fitted as closely (relatively) as long
-        prefills. Records the fit's mean and worst relative error in `meta`."""
+        prefills, with no negative coefficient: more of anything never makes a step
+        shorter (a noisy or too small grid otherwise fits a negative cost that extrapolates
+        to negative times). Features whose coefficient comes out negative are dropped and the
+        rest refitted, until none is. Records the fit's mean and worst relative error."""
         x = np.asarray([s.features() for s in shapes], dtype=np.float64)
         y = np.asarray(seconds, dtype=np.float64)
         w = 1.0 / y
-        coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
+        coef = np.zeros(x.shape[1])
+        active = np.ones(x.shape[1], dtype=bool)
+        while active.any():
+            sub, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
+            coef[:] = 0.0
+            coef[active] = sub
+            if (sub >= 0).all():
+                break
+            active[np.flatnonzero(active)[sub < 0]] = False
         model = cls(tuple(float(c) for c in coef), meta=dict(meta or {}))
         predicted = np.asarray([model.step_seconds(s) for s in shapes])
         rel = np.abs(predicted - y) / y
