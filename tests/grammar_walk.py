@@ -36,8 +36,13 @@ def backend_for(name: str, tokenizer: Any, options: GrammarOptions | None = None
 
 
 def allowed_ids(backend: GrammarBackend, matcher: Matcher) -> np.ndarray:
+    """The ids the mask of `matcher` allows now (as the loop fills it: all when it has no
+    mask yet, e.g. while a reasoning runs)."""
+    masking = matcher.masking()
+    if masking is None:
+        return np.arange(backend.vocab_size)
     bitmask = torch.zeros((1, backend.words), dtype=torch.int32)
-    backend.fill([matcher], bitmask)
+    backend.fill([masking], bitmask)
     bits = np.unpackbits(bitmask[0].numpy().view(np.uint8), bitorder="little")
     return np.flatnonzero(bits[: backend.vocab_size])
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rsgl.reasoning import FORMATS as REASONING_PARSERS
 from rsgl.tool_calls.parsers import FORMATS as TOOL_CALL_PARSERS
 from rsgl.validation import RequestLimits
 
@@ -160,6 +161,12 @@ class EngineArgs:
         30.0, "seconds a request waits for its grammar to compile before it fails (400)"
     )
     grammar_cache_mb: int = option(256, "memory for compiled grammars, least recently used out")
+    reasoning_parser: str | None = option(
+        None,
+        "how a thinking model marks its reasoning (SGLang's names: deepseek-r1, qwen3): chat "
+        "answers carry it as reasoning_content, and a constraint applies after it ends",
+        choices=list(REASONING_PARSERS),
+    )
 
     tp_size: int = option(
         1,
@@ -216,6 +223,11 @@ class EngineArgs:
         for name in ("constrained_json_max_whitespace", "grammar_cache_mb"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            expected = ", ".join(REASONING_PARSERS)
+            raise ValueError(
+                f"invalid reasoning_parser {self.reasoning_parser!r}: expected one of {expected}"
+            )
         if self.load_balance_method not in LOAD_BALANCE_METHODS:
             expected = ", ".join(LOAD_BALANCE_METHODS)
             raise ValueError(

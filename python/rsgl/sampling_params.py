@@ -79,6 +79,9 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
+    # SGLang's: the output starts with a reasoning (a thinking model's), and the constraint
+    # applies only once the reasoning has ended (--reasoning-parser's end marker).
+    require_reasoning: bool = False
 
     def __post_init__(self) -> None:
         self.validate()

@@ -22,6 +22,7 @@ from rsgl.args import EngineArgs
 from rsgl.cpu_features import default_cpu_threads
 from rsgl.grammar.backend import GrammarBackend, GrammarOptions
 from rsgl.grammar.compiler import GrammarCompiler
+from rsgl.grammar.reasoning_gate import reasoning_end_ids
 from rsgl.grammar.registry import make_backend
 from rsgl.model_executor.executor import StepExecutor, on_compute_thread, run_on_compute_thread
 from rsgl.model_executor.kv_cache import KVCache, resolve_kv_cache_dtype
@@ -29,6 +30,7 @@ from rsgl.model_executor.model_runner import ModelRunner
 from rsgl.model_executor.null_runner import NullRunner
 from rsgl.models.config import ModelConfig
 from rsgl.models.dtype_choice import DtypeChoice, choose_dtype
+from rsgl.reasoning import FORMATS as REASONING_FORMATS
 from rsgl.scheduler.loop import Emit, SchedulerLoop
 from rsgl.tokenizer.loader import load_tokenizer
 
@@ -347,7 +349,15 @@ def build_loop(
         grammar=grammar,
         grammar_refusal=refusal,
         grammar_compile_timeout=args.grammar_compile_timeout,
+        reasoning_end_ids=_reasoning_end_ids(stack, args),
     )
+
+
+def _reasoning_end_ids(stack: ModelStack, args: EngineArgs) -> tuple[int, ...] | None:
+    """The tokens that end a reasoning (--reasoning-parser), None without a parser."""
+    if args.reasoning_parser is None:
+        return None
+    return reasoning_end_ids(stack.tokenizer, REASONING_FORMATS[args.reasoning_parser].end)
 
 
 def _grammar_compiler(stack: ModelStack, args: EngineArgs) -> tuple[GrammarCompiler | None, str]:

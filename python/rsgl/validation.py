@@ -290,6 +290,7 @@ _BOOL_FIELDS = frozenset(
         "spaces_between_special_tokens",
         "return_logprob",
         "no_stop_trim",
+        "require_reasoning",
     }
 )
 _PARAM_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams))

@@ -51,6 +51,11 @@ class Matcher(ABC):
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token was accepted."""
 
+    def masking(self) -> Matcher | None:
+        """The matcher whose mask the next token samples under (None: any token may
+        follow, e.g. while a reasoning runs before the grammar applies)."""
+        return self
+
 
 class GrammarBackend(ABC):
     """Compiles constraints and fills masks for one tokenizer and vocabulary width."""

@@ -31,6 +31,7 @@ from rsgl.errors import FatalStepError, InvalidRequest
 from rsgl.grammar.backend import GrammarError, Matcher
 from rsgl.grammar.compiler import GrammarCompiler
 from rsgl.grammar.constraint import Constraint
+from rsgl.grammar.reasoning_gate import ReasoningGate
 from rsgl.grammar.step_mask import StepMask
 from rsgl.model_executor.executor import LaunchedStep, StepExecutor
 from rsgl.model_executor.model_runner import StepOutput
@@ -133,6 +134,7 @@ class SchedulerLoop:
         grammar: GrammarCompiler | None = None,
         grammar_refusal: str = "constrained decoding is off (--grammar-backend none)",
         grammar_compile_timeout: float = 30.0,
+        reasoning_end_ids: Sequence[int] | None = None,
     ) -> None:
         self.core = core
         # Structured output: the compiler (None: constraints are refused with
@@ -140,6 +142,9 @@ class SchedulerLoop:
         self.grammar = grammar
         self.grammar_refusal = grammar_refusal
         self.grammar_compile_timeout = grammar_compile_timeout
+        # The tokens that end a reasoning (--reasoning-parser): a request that reasons first
+        # (`require_reasoning`) is constrained only after them. None: no parser.
+        self.reasoning_end_ids = None if reasoning_end_ids is None else tuple(reasoning_end_ids)
         self._compiling: dict[str, _Compiling] = {}
         self._constrained = 0  # requests in the core with a matcher
         self.mask_fills = 0  # steps that filled grammar masks
@@ -261,6 +266,12 @@ class SchedulerLoop:
             return
         if self.grammar is None:
             raise InvalidRequest(f"{constraint.kind}: {self.grammar_refusal}", constraint.kind)
+        if params.require_reasoning and self.reasoning_end_ids is None:
+            raise InvalidRequest(
+                "require_reasoning needs a --reasoning-parser (it says where the reasoning "
+                f"ends and the {constraint.kind} begins)",
+                "require_reasoning",
+            )
         future = self.grammar.submit(constraint)
         deadline = time.monotonic() + self.grammar_compile_timeout
         self._compiling[rid] = _Compiling(
@@ -306,6 +317,9 @@ class SchedulerLoop:
         kind = waiting.constraint.kind
         try:
             matcher = self.grammar.backend.matcher(waiting.future.result())
+            if waiting.params.require_reasoning:
+                assert self.reasoning_end_ids is not None  # checked by `_add`
+                matcher = ReasoningGate(matcher, self.reasoning_end_ids)
             req = self._add_to_core(
                 rid, waiting.prompt_ids, waiting.params, waiting.priority, matcher
             )
@@ -466,7 +480,8 @@ class SchedulerLoop:
         matchers = []
         for row in step.mask.rows.tolist():
             req = self._requests.get(int(rids[row]))
-            matchers.append(None if req is None else req.matcher)
+            matcher = None if req is None else req.matcher
+            matchers.append(None if matcher is None else matcher.masking())
         step.mask.fill(self.grammar.backend, matchers)
         self.mask_fills += 1
         self.mask_fill_seconds += step.mask.fill_seconds

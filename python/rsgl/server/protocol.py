@@ -266,6 +266,10 @@ class ChatCompletionRequest(OpenAIRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # Reasoning (--reasoning-parser, rsgl.reasoning): `reasoning_content` apart from the
+    # content (SGLang's defaults), streamed as it comes or in one piece when it ends.
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
 
 class GenerateRequest(BaseModel):
@@ -300,6 +304,9 @@ class GenerateRequest(BaseModel):
         json_schema_extra={"anyOf": [*batchable(BOUNDS["token_ids_logprob"]), {"type": "null"}]},
     )
     return_text_in_logprobs: bool = False
+    # The output starts with a reasoning; its constraint applies once the reasoning ends
+    # (--reasoning-parser). Once, or one per prompt.
+    require_reasoning: bool | list[bool] | None = None
     # Echo each choice's prompt token ids in its answer (`prompt_token_ids`).
     return_prompt_token_ids: bool = False
     priority: int | None = None

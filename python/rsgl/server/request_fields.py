@@ -228,13 +228,28 @@ RULES: tuple[FieldRule, ...] = (
         H,
         "the prompt ends inside the last (assistant) message",
     ),
-    FieldRule(("chat_template_kwargs",), ("chat",), H, "the chat template's own variables"),
+    FieldRule(
+        ("chat_template_kwargs",),
+        ("chat",),
+        H,
+        "the chat template's own variables; with `--reasoning-parser qwen3`, "
+        "`enable_thinking: false` means no reasoning",
+    ),
     FieldRule(("input_ids",), ("chat",), H, "the prompt's token ids, instead of the template's"),
     FieldRule(
-        ("separate_reasoning", "stream_reasoning"),
+        ("separate_reasoning",),
         ("chat",),
-        N,
-        "SGLang's; they act only with a `--reasoning-parser`, which rsgl does not have",
+        H,
+        "with a `--reasoning-parser` (default true, as SGLang): the reasoning comes as "
+        "`message.reasoning_content` and stream deltas' `reasoning_content`, apart from the "
+        "content; false: all in the content (a constraint still waits for the reasoning)",
+    ),
+    FieldRule(
+        ("stream_reasoning",),
+        ("chat",),
+        H,
+        "with a `--reasoning-parser` (default true): false sends the reasoning in one delta "
+        "when it ends",
     ),
     # ------------------------------------------------------- refused: OpenAI
     FieldRule(("suffix",), ("completions",), R, "no fill-in-the-middle", (None, "")),
@@ -331,6 +346,13 @@ RULES: tuple[FieldRule, ...] = (
         "",
     ),
     FieldRule(
+        ("require_reasoning",),
+        ("generate",),
+        H,
+        "the output starts with a reasoning: its constraint applies once the "
+        "`--reasoning-parser`'s end marker has been generated (400 without a parser)",
+    ),
+    FieldRule(
         ("model",),
         ("generate", "tokenize", "detokenize"),
         N,
@@ -392,7 +414,7 @@ RULES: tuple[FieldRule, ...] = (
         "SGLang's answer extras rsgl does not compute",
     ),
     FieldRule(
-        ("watermark", "require_reasoning", "max_thinking_tokens", "background"),
+        ("watermark", "max_thinking_tokens", "background"),
         ("generate",),
         R,
         "no watermarks, reasoning budgets or background responses",

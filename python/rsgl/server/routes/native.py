@@ -61,6 +61,7 @@ async def generate(req: GenerateRequest, request: Request, st: State) -> Any:
     raws = _per_prompt(req.sampling_params, count, "sampling_params")
     want_logprob = _per_prompt(req.return_logprob, count, "return_logprob")
     top = _per_prompt(req.top_logprobs_num, count, "top_logprobs_num")
+    reasons = _per_prompt(req.require_reasoning, count, "require_reasoning")
     ids_logprob = req.token_ids_logprob
     nested = bool(ids_logprob) and isinstance(ids_logprob[0], list)  # type: ignore[index]
     ids_logprobs = _per_prompt(ids_logprob if nested else None, count, "token_ids_logprob")
@@ -74,6 +75,8 @@ async def generate(req: GenerateRequest, request: Request, st: State) -> Any:
     copies = set()
     for i, ids in enumerate(prompts):
         raw = dict(raws[i] or {})
+        if reasons[i]:
+            raw["require_reasoning"] = True
         if want_logprob[i]:
             raw["return_logprob"] = True
             if top[i]:

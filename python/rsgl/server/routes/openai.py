@@ -5,11 +5,12 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 
-from rsgl import tool_calls
+from rsgl import reasoning, tool_calls
 from rsgl.grammar.constraint import CONSTRAINT_FIELDS
 from rsgl.outputs import Output
 from rsgl.server.protocol import (
@@ -311,6 +312,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, st: Sta
         req.tools, req.tool_choice, req.parallel_tool_calls, st.args.tool_call_parser
     )
     prompt_ids = chat_prompt(st, req, tools.template_tools)
+    thinking = reasoning_of(st, req, prompt_ids)
     max_tokens = req.max_completion_tokens
     names = dict(CHAT_PARAMS)
     if max_tokens is None:
@@ -327,6 +329,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, st: Sta
                 "tool_choice",
             )
         raw["json_schema"] = tools.json_schema
+    if thinking is not None and thinking.reasons:
+        raw["require_reasoning"] = True  # a constraint waits for the reasoning to end
     # No limit given: whatever the context leaves.
     raw.update(n=copies, max_new_tokens=max_tokens)
     if req.logprobs:
@@ -355,16 +359,27 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, st: Sta
             logprobs = PendingLogprobs()
             fmt = tools.fmt
             calls = {c.index: tool_calls.ToolCallStream(fmt) for c in choices} if fmt else {}
+            thoughts: dict[int, reasoning.ReasoningSplitter] = {}
+            if thinking is not None and thinking.separate:
+                thoughts = {c.index: thinking.splitter() for c in choices}
             async for c, u in merged(st, choices):
                 if u.meta is not None:
                     metas.append(dict(u.meta, prompt_index=0))
+                ended = u.meta is not None
                 logprobs.add(c.index, u.logprobs)
-                deltas = [{"content": u.text}] if u.text else []
+                deltas: list[dict[str, Any]] = []
+                text = u.text
+                if c.index in thoughts:
+                    thought, text = reasoning_pieces(thoughts[c.index], text, ended)
+                    if thought:
+                        deltas.append({"reasoning_content": thought})
                 reason = finish_reason(u.meta)
                 if c.index in calls:
-                    deltas = stream_deltas(calls[c.index], u.text, u.meta is not None)
+                    deltas += stream_deltas(calls[c.index], text, ended)
                     if calls[c.index].calls and reason == "stop":
                         reason = "tool_calls"
+                elif text:
+                    deltas.append({"content": text})
                 if not deltas and u.meta is None:
                     continue
                 # A chunk per delta: a call's id and name come before its arguments.
@@ -388,7 +403,12 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, st: Sta
         results = best_of(results, req.n)
     out = []
     for i, (_, u) in enumerate(results):
-        message, reason = chat_message(tools.fmt, u.text, finish_reason(u.meta))
+        text, thought = u.text, None
+        if thinking is not None and thinking.separate:
+            thought, text = thinking.split(text)
+        message, reason = chat_message(tools.fmt, text, finish_reason(u.meta))
+        if thinking is not None and thinking.separate:
+            message["reasoning_content"] = thought or None
         out.append(
             {
                 "index": i,
@@ -414,6 +434,50 @@ def chat_message(
         "tool_calls": [tool_calls.tool_call(call) for call in parsed.calls],
     }
     return message, "tool_calls" if reason == "stop" else reason
+
+
+@dataclass(frozen=True, slots=True)
+class Thinking:
+    """How a chat request reasons (`--reasoning-parser`): whether its output starts inside
+    a reasoning (a constraint then waits for the reasoning to end), and whether its answers
+    carry the reasoning apart as `reasoning_content` (`separate_reasoning`)."""
+
+    fmt: reasoning.ReasoningFormat
+    reasons: bool
+    separate: bool
+    stream_reasoning: bool
+
+    def split(self, text: str) -> tuple[str, str]:
+        return self.fmt.split(text, self.reasons)
+
+    def splitter(self) -> reasoning.ReasoningSplitter:
+        return reasoning.ReasoningSplitter(self.fmt, self.reasons, self.stream_reasoning)
+
+
+def reasoning_of(
+    st: ServerState, req: ChatCompletionRequest, prompt_ids: list[int]
+) -> Thinking | None:
+    """None when the server has no --reasoning-parser. A request reasons as its format says
+    for its chat_template_kwargs, or when its prompt has opened the reasoning."""
+    name = st.args.reasoning_parser
+    if name is None:
+        return None
+    fmt = reasoning.FORMATS[name]
+    tail = str(st.tokenizer.decode(prompt_ids[-8:]))
+    reasons = fmt.reasons(req.chat_template_kwargs) or fmt.opened_by(tail)
+    return Thinking(fmt, reasons, req.separate_reasoning, req.stream_reasoning)
+
+
+def reasoning_pieces(
+    splitter: reasoning.ReasoningSplitter, text: str, last: bool
+) -> tuple[str, str]:
+    """The (reasoning, content) of a piece of a streamed answer (the held-back rest too
+    when it is the last)."""
+    thought, content = splitter.feed(text)
+    if last:
+        more_thought, more_content = splitter.finish()
+        thought, content = thought + more_thought, content + more_content
+    return thought, content
 
 
 def stream_deltas(calls: tool_calls.ToolCallStream, text: str, last: bool) -> list[dict[str, Any]]:
