@@ -78,6 +78,14 @@ class EngineArgs:
         "else float32)",
         choices=DTYPES,
     )
+    quantization: str | None = option(
+        None,
+        "weights: gguf reads a GGUF file's projections and LM head from its own 4/8-bit "
+        "blocks (Q4_0, Q4_1, Q8_0; the same numbers as the dequantized model, a fraction of "
+        "the bytes per step); none runs the dequantized weights (default: gguf for GGUF "
+        "files on CPU with one tensor-parallel rank, else none)",
+        choices=["gguf", "none"],
+    )
     cpu_threads: int | None = option(
         None,
         "torch intra-op threads for the model's CPU math (default: one per physical core of "
@@ -228,6 +236,12 @@ class EngineArgs:
             raise ValueError(
                 f"invalid reasoning_parser {self.reasoning_parser!r}: expected one of {expected}"
             )
+        if self.quantization not in (None, "gguf", "none"):
+            raise ValueError(
+                f"invalid quantization {self.quantization!r}: expected one of gguf, none"
+            )
+        if self.quantization == "gguf" and self.tp_size > 1:
+            raise ValueError("quantization gguf does not shard over tensor-parallel ranks yet")
         if self.load_balance_method not in LOAD_BALANCE_METHODS:
             expected = ", ".join(LOAD_BALANCE_METHODS)
             raise ValueError(

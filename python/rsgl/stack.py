@@ -73,6 +73,8 @@ class ModelStack:
             "dtype": self.dtype_choice.chosen,
             "dtype_choice": self.dtype_choice.to_dict(),
             "cpu_threads": self.cpu_threads,
+            # How the weights are held (`--quantization` resolved: gguf or none).
+            "quantization": getattr(getattr(self.runner, "loaded", None), "quantization", "none"),
             "tp_size": max(1, len(self.tp_shards)),
             "tp_shards": [shard.to_dict() for shard in self.tp_shards],
         }
@@ -116,6 +118,7 @@ def build_stack(args: EngineArgs) -> ModelStack:
         max_positions=args.context_length,
         load_format=args.load_format,
         seed=args.seed,
+        quantization=args.quantization,
     )
     context_length = args.context_length or loaded.config.max_position_embeddings
     tokenizer = load_tokenizer(args.tokenizer_path or loaded.model_dir)

@@ -32,6 +32,8 @@ import torch
 
 from rsgl._core import Plan
 from rsgl.args import KV_CACHE_DTYPES, LOAD_FORMATS
+from rsgl.layers.linear import PackedLinear
+from rsgl.layers.quant_linear import GGUFLinear
 from rsgl.model_executor.executor import CudaStreamExecutor
 from rsgl.model_executor.kv_cache import KVCache
 from rsgl.model_executor.model_runner import ModelRunner
@@ -120,6 +122,47 @@ def matmul_roofline_step_s(
     return statistics.median(times)
 
 
+def _matrix_bytes(module: torch.nn.Module, rows: int) -> int:
+    """Weight bytes `module` (a projection as the model holds it) reads for `rows` rows."""
+    if isinstance(module, GGUFLinear):
+        if module.dense is None or rows <= module.max_rows:
+            return int(module.blocks.numel())
+        return _matrix_bytes(module.dense, rows)
+    if isinstance(module, PackedLinear):
+        return module.in_features * module.out_features * int(module.packed.element_size())
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def weight_bytes_per_step(model: LlamaForCausalLM, rows: int) -> int:
+    """Bytes of weight a step of `rows` rows reads: every projection and the LM head as the
+    model holds them (GGUF blocks or dense, whichever that batch size uses); norms and the
+    embedding rows looked up are negligible."""
+    total = 0
+    for layer in model.layers:
+        for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj):
+            total += _matrix_bytes(proj, rows)
+        total += _matrix_bytes(layer.mlp.gate_up_proj, rows)
+        total += _matrix_bytes(layer.mlp.down_proj, rows)
+    head = model.gguf_lm_head
+    if head is not None and rows <= head.max_rows:
+        return total + _matrix_bytes(head, rows)
+    weight = model.model.embed_tokens.weight
+    return total + weight.numel() * weight.element_size()
+
+
+def cpu_read_bandwidth_bytes_s(size: int = 1 << 30, repeats: int = 7) -> float:
+    """This machine's memory read bandwidth with torch's threads: a float32 sum over a
+    buffer far larger than the caches (median bytes per second)."""
+    buf = torch.ones(size // 4, dtype=torch.float32)
+    buf.sum()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - t0)
+    return size / statistics.median(times)
+
+
 def copy_bandwidth_bytes_s(device: torch.device, size: int = 1 << 30, repeats: int = 10) -> float:
     """Device-to-device copy bandwidth, bytes read + written per second (median)."""
     src = torch.empty(size, dtype=torch.uint8, device=device)
@@ -168,6 +211,7 @@ def run(args: argparse.Namespace) -> dict[str, object] | list[dict[str, object]]
         attention_backend=args.attention_backend,
         kv_cache_dtype=args.kv_cache_dtype,
         load_format=args.load_format,
+        quantization=args.quantization,
         cuda_graph_max_bs=args.cuda_graph_max_bs or batch,
         disable_cuda_graph=args.disable_cuda_graph,
     )
@@ -205,6 +249,14 @@ def run(args: argparse.Namespace) -> dict[str, object] | list[dict[str, object]]
             )
     decode_s = sum(step_times)
     assert decode_steps == 0 or out.next_token_ids.shape[0] == batch
+    bandwidth = cpu_read_bandwidth_bytes_s()
+    weight_bytes = weight_bytes_per_step(runner.model, batch)
+    kv_bytes = (
+        batch
+        * (input_len + output_len / 2)
+        * KVCache.bytes_per_slot(runner.config, runner.kv_cache.dtype)
+    )
+    median_step = statistics.median(step_times) if step_times else float("nan")
 
     roofline_s = min(roofline_times)
     decode_tok_s = batch * decode_steps / decode_s if decode_steps else 0.0
@@ -233,7 +285,18 @@ def run(args: argparse.Namespace) -> dict[str, object] | list[dict[str, object]]
         "matmul_kernels": (
             "onednn-packed" if runner.model.packed_lm_head is not None else "torch-linear"
         ),
+        "decode_step_ms_median": round(1000 * median_step, 2),
         "decode_tok_s": round(decode_tok_s, 1),
+        "quantization": runner.loaded.quantization,
+        "weight_mb_per_step": round(weight_bytes / 1e6, 1),
+        "kv_mb_per_step": round(kv_bytes / 1e6, 1),
+        "memory_read_gb_s": round(bandwidth / 1e9, 2),
+        # The step time if it only had to read its bytes once at that bandwidth, against
+        # the median step: the fraction of the memory-bandwidth roofline reached.
+        "bandwidth_roofline_step_ms": round(1000 * (weight_bytes + kv_bytes) / bandwidth, 2),
+        "decode_vs_bandwidth_roofline": round(
+            (weight_bytes + kv_bytes) / bandwidth / median_step, 3
+        ),
         "roofline_decode_tok_s": round(roofline_tok_s, 1),
         "decode_vs_roofline": round(decode_tok_s / roofline_tok_s, 3),
         "decode_vs_roofline_median": round(median_ratio, 3),
@@ -337,6 +400,13 @@ def main(argv: list[str]) -> int:
         "--compare-graphs", action="store_true", help="CUDA: also run each batch eagerly"
     )
     parser.add_argument("--dtype", default="auto", choices=list(DTYPES), help="model dtype")
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        choices=["gguf", "none"],
+        help="weights: gguf (the file's own blocks) or none (dequantized); default: gguf "
+        "for GGUF files on CPU",
+    )
     parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     parser.add_argument("--seed", type=int, default=0)

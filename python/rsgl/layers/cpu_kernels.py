@@ -42,11 +42,20 @@ logger = logging.getLogger(__name__)
 
 # The C sources, shipped in the package: compiled together into one shared library.
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
-_SOURCES = ("elementwise.c", "attention.c")
+_SOURCES = ("elementwise.c", "attention.c", "quant.c")
 
 # Kernel name suffix of each activation (model) dtype.
 _ACT_SUFFIXES: dict[torch.dtype, str] = {torch.float32: "f32", torch.bfloat16: "bf16"}
 ACT_DTYPES = tuple(_ACT_SUFFIXES)
+
+# GGUF block formats the projection kernels read (quant.c): ggml's type name -> the
+# kernels' name and the bytes of one 32-weight block.
+QUANT_FORMATS: dict[str, tuple[str, int]] = {
+    "Q4_0": ("q4_0", 18),
+    "Q4_1": ("q4_1", 20),
+    "Q8_0": ("q8_0", 34),
+}
+QUANT_BLOCK = 32
 
 # Kernel name suffix of each KV cache dtype (attention.c instantiates one set per type;
 # float16 only where the compiler has _Float16).
@@ -105,6 +114,24 @@ def _check_index(t: torch.Tensor, dtype: torch.dtype) -> None:
         raise ValueError(f"CPU kernels take contiguous {dtype} CPU index tensors")
 
 
+def _check_blocks(blocks: torch.Tensor, fmt: str, k: int | None) -> tuple[int, int]:
+    """(rows, K) of a GGUF-block matrix; ValueError unless it is a contiguous CPU uint8
+    [rows, K / 32 * block bytes] of a known format (and K matches `k` when given)."""
+    if fmt not in QUANT_FORMATS:
+        raise ValueError(f"GGUF format {fmt!r}: the kernels read {', '.join(QUANT_FORMATS)}")
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous():
+        raise ValueError("GGUF blocks must be a contiguous uint8 [rows, row bytes] tensor")
+    if blocks.device.type != "cpu":
+        raise ValueError("GGUF blocks must be on the CPU")
+    size = QUANT_FORMATS[fmt][1]
+    if blocks.shape[1] % size:
+        raise ValueError(f"a {fmt} row is a whole number of {size}-byte blocks")
+    cols = blocks.shape[1] // size * QUANT_BLOCK
+    if k is not None and k != cols:
+        raise ValueError(f"x has {k} columns, the {fmt} weight {cols}")
+    return blocks.shape[0], cols
+
+
 class CpuKernels:
     """ctypes handles on the compiled kernels; every method writes into `out`."""
 
@@ -144,6 +171,16 @@ class CpuKernels:
             rotary = getattr(lib, f"rsgl_rotary_{suffix}")
             rotary.argtypes = [ptr, ptr, i64, i64, i64, i64, i32]
             self._add_rmsnorm[act], self._silu_mul[act], self._rotary[act] = norm, silu, rotary
+        # Per (GGUF format, activation dtype): y = x . W^T over the format's blocks.
+        self._qlinear: dict[tuple[str, torch.dtype], Any] = {}
+        self._dequant_rows: dict[str, Any] = {}
+        for fmt, (name, _) in QUANT_FORMATS.items():
+            for act, suffix in _ACT_SUFFIXES.items():
+                qlinear = getattr(lib, f"rsgl_qlinear_{name}_{suffix}")
+                qlinear.argtypes = [ptr, i64, i64, ptr, i64, ptr, i32]
+                self._qlinear[fmt, act] = qlinear
+            self._dequant_rows[fmt] = getattr(lib, f"rsgl_dequant_rows_{name}")
+            self._dequant_rows[fmt].argtypes = [ptr, i64, ptr, i64, ptr]
         self._bitmask = lib.rsgl_apply_token_bitmask_f32
         self._bitmask.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, i32]
         isa = lib.rsgl_kernel_isa
@@ -157,6 +194,8 @@ class CpuKernels:
             *self._silu_mul.values(),
             *self._rotary.values(),
             *self._argmax.values(),
+            *self._qlinear.values(),
+            *self._dequant_rows.values(),
             self._bitmask,
         ):
             fn.restype = None
@@ -320,6 +359,38 @@ class CpuKernels:
             raise ValueError("argmax_rows: rows are empty")
         out = torch.empty(rows, dtype=torch.int64)
         self._argmax[act](x.data_ptr(), rows, cols, out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def qlinear(self, x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+        """x [M, K] (float32 or bfloat16) times W^T, where W is stored as GGUF blocks of
+        `fmt` (`QUANT_FORMATS`): blocks is uint8 [N, K / 32 * block bytes], one weight row
+        per row. Returns [M, N] of x's dtype."""
+        act = _check(x)
+        rows, k = _check_blocks(blocks, fmt, x.shape[1] if x.dim() == 2 else -1)
+        if x.dim() != 2:
+            raise ValueError("qlinear: x must be [M, K]")
+        out = torch.empty((x.shape[0], rows), dtype=x.dtype)
+        if x.shape[0]:
+            self._qlinear[fmt, act](
+                x.data_ptr(),
+                x.shape[0],
+                k,
+                blocks.data_ptr(),
+                rows,
+                out.data_ptr(),
+                torch.get_num_threads(),
+            )
+        return out
+
+    def dequant_rows(self, blocks: torch.Tensor, fmt: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (int64) of a GGUF-block matrix (see `qlinear`) as float32 [len, K]:
+        exactly gguf's dequantize of those rows."""
+        _check_index(ids, torch.int64)
+        rows, k = _check_blocks(blocks, fmt, None)
+        if len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < rows:
+            raise ValueError(f"dequant_rows: ids must be in [0, {rows})")
+        out = torch.empty((len(ids), k), dtype=torch.float32)
+        self._dequant_rows[fmt](blocks.data_ptr(), k, ids.data_ptr(), len(ids), out.data_ptr())
         return out
 
     def apply_token_bitmask(

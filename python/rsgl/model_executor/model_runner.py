@@ -200,6 +200,7 @@ class ModelRunner:
         load_format: str = "auto",
         cuda_graph_max_bs: int = 160,
         disable_cuda_graph: bool = False,
+        quantization: str | None = None,
     ) -> ModelRunner:
         """Load `model` (None: the embedded SmolLM2) and allocate its cache."""
         loaded = load_model(
@@ -209,6 +210,7 @@ class ModelRunner:
             max_positions=context_len,
             load_format=load_format,
             seed=seed,
+            quantization=quantization,
         )
         return cls(
             loaded,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -10,12 +10,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from rsgl.layers.attention.base import AttentionBackend
-from rsgl.layers.cpu_kernels import ACT_DTYPES, load_cpu_kernels
+from rsgl.layers.cpu_kernels import ACT_DTYPES, CpuKernels, load_cpu_kernels
 from rsgl.layers.linear import PackedLinear, can_pack, pack_linears
 from rsgl.layers.norm import RMSNorm
 from rsgl.layers.parallel import RowParallelLinear, VocabParallelEmbedding
+from rsgl.layers.quant_linear import GGUFLinear
 from rsgl.layers.rotary import RotaryEmbedding, apply_rotary, interleave_rotary_pairs
 from rsgl.models.config import ModelConfig
+from rsgl.models.gguf_weights import Blocks
 
 if TYPE_CHECKING:
     from rsgl.distributed.group import TPRank
@@ -239,6 +241,8 @@ class LlamaForCausalLM(nn.Module):
         # Set by pack_cpu_weights: the LM head in oneDNN's layout. It replaces an untied head;
         # a tied one is also the embedding, whose plain copy stays for lookups.
         self.packed_lm_head: PackedLinear | None = None
+        # Set by use_gguf_blocks: the LM head in the GGUF file's blocks, for small batches.
+        self.gguf_lm_head: GGUFLinear | None = None
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope)
 
     @property
@@ -256,8 +260,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:
         """[B, hidden] final-normed states -> [B, vocab] logits. Under tensor parallelism
         without `gather`: this rank's vocabulary slice only ([B, len(tp.shard.vocab)])."""
-        if self.packed_lm_head is not None:
-            logits: torch.Tensor = self.packed_lm_head(hidden)
+        head = self.gguf_lm_head
+        if head is not None and hidden.shape[0] <= head.max_rows:
+            logits: torch.Tensor = head(hidden)
+        elif self.packed_lm_head is not None:
+            logits = self.packed_lm_head(hidden)
         else:
             logits = F.linear(hidden, self.lm_head_weight())
         if self.tp is not None and gather:
@@ -283,6 +290,49 @@ class LlamaForCausalLM(nn.Module):
                 module.pack()
         self.packed_lm_head = PackedLinear(self.lm_head_weight(), None)
         self.lm_head = None
+
+    @torch.no_grad()
+    def use_gguf_blocks(
+        self, blocks: Mapping[str, Blocks], kernels: CpuKernels, max_rows: int
+    ) -> int:
+        """Serve the projections and the LM head from a GGUF file's own blocks (HF names ->
+        `Blocks`, `rsgl.models.gguf_weights.read_blocks`) for batches of up to `max_rows`
+        rows; the dense weights stay for larger ones. A fused projection needs all of its
+        parts in one format; matrices whose blocks are missing stay dense. Call after
+        `load_weights` and before `pack_cpu_weights`. Returns how many matrices read blocks.
+
+        The blocks must hold the loaded weights exactly: three rows of each are rebuilt and
+        compared, and a mismatch (another row order, another file) is a ValueError."""
+        if self.tp is not None or self.packed_lm_head is not None:
+            raise ValueError("GGUF blocks need an unsharded model that is not packed yet")
+        fused = {
+            "qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            "o_proj": ("self_attn.o_proj",),
+            "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+            "down_proj": ("mlp.down_proj",),
+        }
+        count = 0
+        for i, layer in enumerate(self.layers):
+            for attr, parts in fused.items():
+                owner = layer.self_attn if hasattr(layer.self_attn, attr) else layer.mlp
+                found = [blocks.get(f"model.layers.{i}.{part}.weight") for part in parts]
+                present = [b for b in found if b is not None]
+                if len(present) < len(parts) or len({b.fmt for b in present}) != 1:
+                    continue
+                dense = getattr(owner, attr)
+                assert isinstance(dense, nn.Linear)
+                data = torch.cat([b.data for b in present])
+                _check_blocks_match(dense.weight, data, present[0].fmt, kernels)
+                quant = GGUFLinear(data, present[0].fmt, kernels, dense, dense.bias, max_rows)
+                setattr(owner, attr, quant)
+                count += 1
+        tied = self.config.tie_word_embeddings
+        head = blocks.get("model.embed_tokens.weight" if tied else "lm_head.weight")
+        if head is not None:
+            _check_blocks_match(self.lm_head_weight(), head.data, head.fmt, kernels)
+            self.gguf_lm_head = GGUFLinear(head.data, head.fmt, kernels, max_rows=max_rows)
+            count += 1
+        return count
 
     def forward(
         self,
@@ -371,3 +421,17 @@ class LlamaForCausalLM(nn.Module):
         if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
             return tensor[shard.vocab.start : shard.vocab.stop]
         return tensor
+
+
+def _check_blocks_match(
+    weight: torch.Tensor, data: torch.Tensor, fmt: str, kernels: CpuKernels
+) -> None:
+    rows = weight.shape[0]
+    ids = torch.tensor(sorted({0, rows // 2 + 1, rows - 1} & set(range(rows))), dtype=torch.int64)
+    if data.shape[0] != rows or not torch.equal(
+        kernels.dequant_rows(data, fmt, ids).to(weight.dtype), weight.detach()[ids].cpu()
+    ):
+        raise ValueError(
+            f"the GGUF {fmt} blocks ({data.shape[0]} rows) do not hold the loaded "
+            f"[{rows}, {weight.shape[1]}] weight"
+        )

@@ -17,7 +17,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rsgl.cache_dir import rsgl_cache_dir
+from rsgl.layers.cpu_kernels import load_cpu_kernels
+from rsgl.layers.quant_linear import DEFAULT_MAX_ROWS
 from rsgl.models.config import ModelConfig
+from rsgl.models.gguf_weights import QUANTIZATIONS, read_blocks
 from rsgl.models.llama import LlamaForCausalLM
 from rsgl.models.registry import model_class
 
@@ -42,6 +45,8 @@ class LoadedModel:
     model_dir: Path
     dtype: torch.dtype
     device: torch.device
+    # How the weights are held: "gguf" (projections read the file's blocks) or "none".
+    quantization: str = "none"
     # This rank's slice and group under tensor parallelism; None: the whole model.
     tp: TPRank | None = None
 
@@ -169,6 +174,7 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     tp: TPRank | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load a model directory, a GGUF file, or (None) the embedded SmolLM2 default.
 
@@ -183,6 +189,11 @@ def load_model(
     near a device's memory would want each rank to read only its slice of every tensor
     (safetensors can). Dummy weights are drawn at the shard's shapes, so they are not a
     slice of the tp_size=1 dummy model.
+
+    `quantization` (SGLang's `--quantization`): "gguf" serves the projections and the LM
+    head of a GGUF file from the file's own blocks (`rsgl.layers.quant_linear`), "none" the
+    dequantized weights; None picks gguf for a GGUF file wherever it can run (CPU, one rank,
+    the C kernels built), else none.
     """
     if pack_weights is None:
         pack_weights = os.environ.get("RSGL_ONEDNN", "1") != "0"
@@ -204,9 +215,57 @@ def load_model(
     # Non-persistent buffers came out of to_empty uninitialised; rebuild them for real.
     net.rotary = type(net.rotary)(config.head_dim, positions, config.rope).to(device)
     net.eval()
+    source = gguf_source(model)
+    chosen = resolve_quantization(quantization, source, device, tp, load_format)
+    if chosen == "gguf":
+        assert source is not None
+        kernels = load_cpu_kernels()
+        assert kernels is not None
+        count = net.use_gguf_blocks(read_blocks(source), kernels, DEFAULT_MAX_ROWS)
+        logger.info("%d weight matrices read %s's own blocks", count, source.name)
     if pack_weights:
         net.pack_cpu_weights()
-    return LoadedModel(net, config, model_dir, dtype, device, tp)
+    return LoadedModel(net, config, model_dir, dtype, device, chosen, tp)
+
+
+def gguf_source(model: str | os.PathLike[str] | None) -> Path | None:
+    """The GGUF file a model comes from (None: the embedded default's), or None when it is
+    a directory."""
+    if model is None:
+        return embedded_gguf_path()
+    path = Path(model)
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+def resolve_quantization(
+    quantization: str | None,
+    source: Path | None,
+    device: torch.device,
+    tp: TPRank | None,
+    load_format: str,
+) -> str:
+    """`quantization` checked against what the model and machine allow, None resolved
+    (gguf where it can run, else none); ValueError naming the obstacle to an explicit gguf."""
+    if quantization not in (None, *QUANTIZATIONS):
+        raise ValueError(
+            f"quantization {quantization!r}: expected one of {', '.join(QUANTIZATIONS)}"
+        )
+    if quantization == "none":
+        return "none"
+    obstacle = None
+    if source is None or load_format != "auto":
+        obstacle = "needs a .gguf model loaded with load_format auto"
+    elif device.type != "cpu":
+        obstacle = f"runs on CPU (its kernels are C), not {device.type}"
+    elif tp is not None:
+        obstacle = "does not shard over tensor-parallel ranks yet"
+    elif load_cpu_kernels() is None:
+        obstacle = "needs rsgl's C kernels, which did not build (see the warning above)"
+    if obstacle is None:
+        return "gguf"
+    if quantization == "gguf":
+        raise ValueError(f"quantization gguf {obstacle}")
+    return "none"
 
 
 @torch.no_grad()

@@ -31,6 +31,7 @@ _MODEL_NAME = "rsgl-engine"
 _MODEL_FACTS = (
     "dtype",
     "dtype_choice",
+    "quantization",
     "cpu_threads",
     "context_length",
     "max_total_tokens",

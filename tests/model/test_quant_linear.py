@@ -1,0 +1,189 @@
+"""Projections over GGUF blocks (`--quantization gguf`): the kernels rebuild exactly the
+weights gguf's dequantize gives, multiply by them in one order whatever the batch, and the
+embedded model served from its file's blocks holds the loaded weights and decodes the
+dequantized model's greedy tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from rsgl.args import EngineArgs
+from rsgl.layers.cpu_kernels import QUANT_FORMATS, CpuKernels, load_cpu_kernels
+from rsgl.layers.quant_linear import GGUFLinear
+from rsgl.models.gguf_weights import Blocks, hf_name, read_blocks
+from rsgl.models.loader import embedded_gguf_path, load_model, resolve_quantization
+
+
+@pytest.fixture(scope="module")
+def kernels() -> CpuKernels:
+    loaded = load_cpu_kernels()
+    if loaded is None:
+        pytest.skip("no C compiler: GGUF blocks need the C kernels")
+    return loaded
+
+
+def _random_blocks(fmt: str, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(blocks uint8 [rows, bytes], gguf's dequantized float32 [rows, cols]) of a random
+    matrix quantized by gguf-py, with a few extreme rows (zeros, a huge scale)."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    w[0] = 0.0
+    w[1] *= 1000.0
+    w[2] = np.abs(w[2])  # Q4_1 with m > 0
+    qtype = GGMLQuantizationType[fmt]
+    raw = quants.quantize(w, qtype)
+    deq = quants.dequantize(raw, qtype)
+    return torch.from_numpy(np.ascontiguousarray(raw)), torch.from_numpy(deq.astype(np.float32))
+
+
+@pytest.mark.parametrize("fmt", list(QUANT_FORMATS))
+def test_rows_are_rebuilt_bit_for_bit(kernels: CpuKernels, fmt: str) -> None:
+    blocks, dense = _random_blocks(fmt, 48, 160, seed=1)
+    ids = torch.tensor([5, 0, 47, 1, 2, 5], dtype=torch.int64)
+    assert torch.equal(kernels.dequant_rows(blocks, fmt, ids), dense[ids])
+    # x = identity: each output column is one weight, so the product rebuilds W^T exactly.
+    eye = torch.eye(160)
+    assert torch.equal(kernels.qlinear(eye, blocks, fmt), dense.T.contiguous())
+
+
+@pytest.mark.parametrize("fmt", list(QUANT_FORMATS))
+def test_products_differ_from_the_dense_ones_by_summation_order(
+    kernels: CpuKernels, fmt: str
+) -> None:
+    blocks, dense = _random_blocks(fmt, 67, 256, seed=2)
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(3))
+    exact = x.double() @ dense.double().T
+    got = kernels.qlinear(x, blocks, fmt)
+    # float32 sums of 256 products: within a few float32 ulps of the magnitudes summed.
+    bound = 1e-6 * 256 * (x.double().abs() @ dense.double().abs().T)
+    assert ((got.double() - exact).abs() <= bound).all()
+    # One order per row whatever the batch: each row alone gives the same bits.
+    for r in (0, 4, 8):
+        assert torch.equal(kernels.qlinear(x[r : r + 1].contiguous(), blocks, fmt), got[r : r + 1])
+    assert kernels.qlinear(x[:0], blocks, fmt).shape == (0, 67)
+
+
+def test_bfloat16_activations_round_once(kernels: CpuKernels) -> None:
+    blocks, dense = _random_blocks("Q4_1", 32, 128, seed=4)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
+    got = kernels.qlinear(x, blocks, "Q4_1")
+    assert got.dtype == torch.bfloat16
+    want = (x.double() @ dense.double().T).to(torch.bfloat16)
+    # Rounded once from a float32 sum: equal to the exact product's rounding but where the
+    # float32 sum sits on a bfloat16 rounding boundary (at most one bfloat16 ulp off).
+    ulp = want.float().abs() * 2.0**-7
+    assert ((got.float() - want.float()).abs() <= ulp + 1e-30).all()
+
+
+def test_bad_operands_are_named(kernels: CpuKernels) -> None:
+    blocks, _ = _random_blocks("Q8_0", 4, 64, seed=6)
+    with pytest.raises(ValueError, match="x has 32 columns, the Q8_0 weight 64"):
+        kernels.qlinear(torch.zeros(2, 32), blocks, "Q8_0")
+    with pytest.raises(ValueError, match="Q5_K"):
+        kernels.qlinear(torch.zeros(2, 64), blocks, "Q5_K")
+    with pytest.raises(ValueError, match="whole number of 20-byte blocks"):
+        kernels.qlinear(torch.zeros(2, 64), blocks, "Q4_1")
+    with pytest.raises(ValueError, match=r"ids must be in \[0, 4\)"):
+        kernels.dequant_rows(blocks, "Q8_0", torch.tensor([4]))
+
+
+def test_a_gguf_linear_uses_its_dense_copy_above_max_rows(kernels: CpuKernels) -> None:
+    blocks, dense = _random_blocks("Q4_0", 16, 64, seed=7)
+    # A dense copy that differs from the blocks shows which one ran.
+    other = torch.nn.Linear(64, 16, bias=False)
+    bias = torch.arange(16, dtype=torch.float32)
+    layer = GGUFLinear(blocks, "Q4_0", kernels, dense=other, bias=bias, max_rows=4)
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        assert torch.equal(layer(x[:4]), kernels.qlinear(x[:4].contiguous(), blocks, "Q4_0") + bias)
+        assert torch.equal(layer(x), other(x))
+
+
+def test_gguf_names_map_to_the_models_parameters() -> None:
+    assert hf_name("blk.12.attn_q.weight") == "model.layers.12.self_attn.q_proj.weight"
+    assert hf_name("blk.0.ffn_down.weight") == "model.layers.0.mlp.down_proj.weight"
+    assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert hf_name("output.weight") == "lm_head.weight"
+    assert hf_name("blk.0.attn_norm.weight") is None
+    assert hf_name("rope_freqs.weight") is None
+
+
+@pytest.fixture(scope="module")
+def embedded_blocks() -> dict[str, Blocks]:
+    return read_blocks(embedded_gguf_path())
+
+
+def test_the_embedded_files_blocks_hold_the_loaded_weights_exactly(
+    kernels: CpuKernels, embedded_blocks: dict[str, Blocks]
+) -> None:
+    # Every projection and the embedding (the tied LM head), every row, bit for bit.
+    plain = load_model(None, dtype=torch.float32, pack_weights=False, quantization="none")
+    params = dict(plain.model.named_parameters())
+    assert {b.fmt for b in embedded_blocks.values()} == {"Q4_1", "Q8_0"}
+    assert len(embedded_blocks) == 30 * 7 + 1
+
+    def rebuilt(*names: str) -> torch.Tensor:
+        parts = [embedded_blocks[n] for n in names]
+        return torch.cat(
+            [kernels.dequant_rows(b.data, b.fmt, torch.arange(b.data.shape[0])) for b in parts]
+        )
+
+    fused = {
+        "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "self_attn.o_proj": ("self_attn.o_proj",),
+        "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+        "mlp.down_proj": ("mlp.down_proj",),
+    }
+    for i in range(30):
+        for target, parts in fused.items():
+            names = [f"model.layers.{i}.{p}.weight" for p in parts]
+            weight = params[f"model.layers.{i}.{target}.weight"].detach()
+            assert torch.equal(rebuilt(*names), weight), (i, target)
+    embedding = params["model.embed_tokens.weight"].detach()
+    assert torch.equal(rebuilt("model.embed_tokens.weight"), embedding)
+
+
+def test_blocks_that_do_not_hold_the_weights_are_refused(
+    kernels: CpuKernels, embedded_blocks: dict[str, Blocks]
+) -> None:
+    net = load_model(None, dtype=torch.float32, pack_weights=False, quantization="none").model
+    swapped = dict(embedded_blocks)
+    swapped["model.layers.0.mlp.down_proj.weight"] = embedded_blocks[
+        "model.layers.1.mlp.down_proj.weight"
+    ]
+    with pytest.raises(ValueError, match=r"do not hold the loaded \[576, 1536\] weight"):
+        net.use_gguf_blocks(swapped, kernels, max_rows=16)
+
+
+def test_the_embedded_model_reads_its_blocks_by_default(kernels: CpuKernels) -> None:
+    loaded = load_model(None)
+    assert loaded.quantization == "gguf"
+    layer = loaded.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, GGUFLinear)
+    assert layer.self_attn.qkv_proj.fmt == "Q4_1"
+    assert loaded.model.gguf_lm_head is not None and loaded.model.gguf_lm_head.fmt == "Q8_0"
+    assert load_model(None, quantization="none").model.gguf_lm_head is None
+
+
+def test_quantization_is_resolved_or_refused_with_the_reason(tmp_path: Path) -> None:
+    gguf_file = embedded_gguf_path()
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_quantization(None, gguf_file, cpu, None, "auto") == "gguf"
+    assert resolve_quantization(None, None, cpu, None, "auto") == "none"
+    assert resolve_quantization(None, gguf_file, cuda, None, "auto") == "none"
+    assert resolve_quantization("none", gguf_file, cpu, None, "auto") == "none"
+    with pytest.raises(ValueError, match="needs a .gguf model"):
+        resolve_quantization("gguf", None, cpu, None, "auto")
+    with pytest.raises(ValueError, match="runs on CPU"):
+        resolve_quantization("gguf", gguf_file, cuda, None, "auto")
+    with pytest.raises(ValueError, match="expected one of gguf, none"):
+        resolve_quantization("awq", gguf_file, cpu, None, "auto")
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        EngineArgs(quantization="gguf", tp_size=2)
+    with pytest.raises(ValueError, match="invalid quantization 'int3'"):
+        EngineArgs(quantization="int3")
