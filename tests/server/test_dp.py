@@ -1,7 +1,8 @@
 """`rsgl serve --dp-size 2`: two scheduler processes behind one frontend. Concurrent traffic
-is split over both, a shared-prefix workload under `cache_aware` keeps each prefix on one
-rank (and caches as much as one replica does), an abort reaches the rank serving the
-request, and a rank that dies fails only its own requests while the other keeps serving.
+is split over both (constrained requests too, each rank compiling and masking its own), a
+shared-prefix workload under `cache_aware` keeps each prefix on one rank (and caches as much
+as one replica does), an abort reaches the rank serving the request, and a rank that dies
+fails only its own requests while the other keeps serving.
 
 The ranks run the null executor (`--load-format null`, a fixed step time): real scheduling
 and tokenization, no model math, so two ranks fit the test machine's two cores."""
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from launcher import launch, stop
@@ -156,6 +158,75 @@ def test_cache_aware_keeps_each_prefix_group_on_one_rank(dp2: Server, one_replic
     single = run_shared_prefix(one_replica)
     assert sum(single.values()) >= (GROUPS * (PER_GROUP - 1)) * PREFIX_LEN
     assert sum(cached.values()) >= sum(single.values()), (cached, single)
+
+
+# Bounded JSON (so a walk over the null model's allowed tokens ends), a regex and EBNF.
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        "pet": {"enum": ["cat", "dog"]},
+    },
+    "required": ["name", "age", "pet"],
+    "additionalProperties": False,
+}
+CODE = r"[A-Z]{2}-\d{3}"
+EBNF = 'root ::= "yes" | "no" | "maybe"'
+
+
+def constrained_body(i: int) -> dict[str, Any]:
+    kind = [("json_schema", json.dumps(PERSON)), ("regex", CODE), ("ebnf", EBNF)][i % 3]
+    params = {kind[0]: kind[1], "max_new_tokens": 256, "temperature": 0}
+    return {"text": f"Constrained request {i}:", "rid": f"gram-{i}", "sampling_params": params}
+
+
+def run_constrained(url: str, count: int) -> dict[str, dict[str, Any]]:
+    """`count` constrained /generate requests at once, by rid."""
+
+    async def burst() -> list[dict[str, Any]]:
+        async with httpx.AsyncClient() as client:
+            posts = [
+                client.post(f"{url}/generate", json=constrained_body(i), timeout=120)
+                for i in range(count)
+            ]
+            responses = await asyncio.gather(*posts)
+        for r in responses:
+            assert r.status_code == 200, r.text
+        return [r.json() for r in responses]
+
+    return {f"gram-{i}": out for i, out in enumerate(asyncio.run(burst()))}
+
+
+def test_constrained_requests_on_both_ranks_validate_and_match_one_replica(
+    dp2: Server, one_replica: str
+) -> None:
+    before = wait_ranks(dp2.url, lambda rs: all("requests" in r for r in rs))
+    outs = run_constrained(dp2.url, 24)
+    for i, out in enumerate(outs.values()):
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+        if i % 3 == 0:
+            jsonschema.validate(json.loads(out["text"]), PERSON)
+        elif i % 3 == 1:
+            assert re.fullmatch(CODE, out["text"]), out["text"]
+        else:
+            assert out["text"] in ("yes", "no", "maybe"), out["text"]
+
+    def moved(rs: list[dict[str, Any]]) -> list[int]:
+        return [int(r["requests"]) - int(b["requests"]) for r, b in zip(rs, before, strict=True)]
+
+    after = wait_ranks(dp2.url, lambda rs: sum(moved(rs)) == 24)
+    assert all(m > 0 for m in moved(after)), moved(after)
+    # The null model's tokens hang on the prompt and position only, so whichever rank ran a
+    # request, its constrained tokens are those one replica gives.
+    single = run_constrained(one_replica, 24)
+    assert {r: o["output_ids"] for r, o in outs.items()} == {
+        r: o["output_ids"] for r, o in single.items()
+    }
+    idle = wait_ranks(dp2.url, lambda rs: all(int(r["live"]) == 0 for r in rs))
+    for rank in idle:
+        assert rank["held"] == 0 and rank["protected"] == 0, rank
+        assert rank["grammar_waiting"] == 0 and rank["grammar_mask_fills"] > 0, rank
 
 
 class Stream:

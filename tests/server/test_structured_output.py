@@ -2,13 +2,16 @@
 `chat.completions.parse` with a pydantic model, `response_format` json_object and
 json_schema on chat and completions, SGLang's extras and /generate's sampling params; bad
 constraints answer 400 in the OpenAI shape with the compiler's message, and the server keeps
-serving."""
+serving; a client that leaves while its grammar still compiles is aborted cleanly, nothing
+held, while the server serves everyone else."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -148,3 +151,81 @@ def test_require_reasoning_without_a_reasoning_parser_is_a_400(server: str) -> N
     out = httpx.post(f"{server}/generate", json=body, timeout=60)
     assert out.status_code == 400, out.text
     assert "--reasoning-parser" in out.json()["error"]["message"]
+
+
+# xgrammar compiles each distinct bounded string of a schema with optional properties for
+# about a second here (measured: 10 s for eight): a real compile that is still under way when
+# its client leaves.
+SLOW_SCHEMA = {
+    "type": "object",
+    "properties": {f"p{i}": {"type": "string", "maxLength": 40 + i} for i in range(8)},
+}
+
+
+@pytest.fixture(scope="module")
+def xgrammar_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    log_path = tmp_path_factory.mktemp("structured-xgrammar") / "server.log"
+    flags = ("--max-total-tokens", "20000", "--grammar-backend", "xgrammar")
+    proc, url = launch(log_path, *flags, "--grammar-compile-timeout", "300")
+    yield url
+    stop(proc, log_path)
+
+
+def server_stats(url: str) -> dict[str, Any]:
+    return dict(httpx.get(f"{url}/get_server_info", timeout=10).json()["stats"])
+
+
+async def until(url: str, check: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    """The server's stats once `check` holds (polled; fails after a generous deadline)."""
+    deadline = time.monotonic() + 300
+    while True:
+        stats = await asyncio.to_thread(server_stats, url)
+        if check(stats):
+            return stats
+        if time.monotonic() > deadline:
+            pytest.fail(f"the server never got there: {stats}")
+        await asyncio.sleep(0.1)
+
+
+def test_a_client_gone_while_its_grammar_compiles_is_aborted_and_nothing_leaks(
+    xgrammar_server: str,
+) -> None:
+    url = xgrammar_server
+    fmt = {"type": "json_schema", "json_schema": {"name": "slow", "schema": SLOW_SCHEMA}}
+    slow_body = {"model": MODEL, "prompt": "JSON:", "max_tokens": 2000, "response_format": fmt}
+    answer = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    quick = {"type": "json_schema", "json_schema": {"name": "quick", "schema": answer}}
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+            before = await until(url, lambda s: s["live"] == 0 and "grammar_waiting" in s)
+            slow = asyncio.ensure_future(client.post("/v1/completions", json=slow_body))
+            await until(url, lambda s: s["grammar_waiting"] == 1)
+            # Served while it compiles: a free request and a constrained one (another
+            # compile: the pool has two threads).
+            free = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
+            r = await client.post("/v1/completions", json=free)
+            assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+            constrained = dict(free, prompt="OK? JSON:", max_tokens=40, response_format=quick)
+            r = await client.post("/v1/completions", json=constrained)
+            assert r.status_code == 200, r.text
+            assert isinstance(json.loads(r.json()["choices"][0]["text"])["ok"], bool)
+            assert server_stats(url)["grammar_waiting"] == 1  # the slow one still compiles
+            slow.cancel()  # the client hangs up
+            with pytest.raises(asyncio.CancelledError):
+                await slow
+            await until(url, lambda s: s["grammar_waiting"] == 0)
+            # The same schema again waits for the compile still under way (or hits the
+            # cache): once it answers, the abandoned request can no longer start.
+            again = dict(slow_body, max_tokens=1)
+            r = await client.post("/v1/completions", json=again)
+            assert r.status_code == 200, r.text
+            idle = await until(url, lambda s: s["live"] == 0 and s["running"] == 0)
+            # It never reached the scheduler (three requests did: free, quick, again),
+            # and nothing is held once idle.
+            assert idle["requests"] - before["requests"] == 3, (before, idle)
+            assert idle["aborts"] == before["aborts"]
+            assert idle["held"] == 0 and idle["protected"] == 0, idle
+            assert idle["grammar_compiles"] - before["grammar_compiles"] == 2
+
+    asyncio.run(scenario())

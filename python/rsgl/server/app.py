@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rsgl.args import DEFAULT_MAX_REQUEST_BYTES
 from rsgl.errors import InvalidRequest
@@ -63,6 +64,30 @@ async def _internal(_: Request, exc: Exception) -> Response:
     return error_response(ApiError(500, f"internal error: {exc!r}", "InternalServerError"))
 
 
+class ApiKeyMiddleware:
+    """Answers 401 to a request without `Authorization: Bearer <--api-key>` (when the server
+    has a key; the paths of `admin.OPEN_PATHS` are open).
+
+    Plain ASGI on purpose: Starlette's `@app.middleware("http")` (BaseHTTPMiddleware) hands
+    the endpoint a `receive` that never reports the client's disconnect, so a non-streaming
+    request whose client left ran to its end (or, waiting for its grammar, started later)."""
+
+    def __init__(self, app: ASGIApp, holder: StateHolder) -> None:
+        self.app = app
+        self.holder = holder
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = self.holder.state
+        key = state.api_key if state is not None else None
+        if key and scope["type"] == "http" and scope["path"] not in admin.OPEN_PATHS:
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+            if given != f"Bearer {key}".encode():
+                refusal = ApiError(401, "invalid or missing API key", "AuthenticationError")
+                await error_response(refusal)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(
     holder: StateHolder, lifespan: Any = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 ) -> FastAPI:
@@ -75,18 +100,7 @@ def create_app(
     app.add_exception_handler(RequestValidationError, _invalid_body)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal)
-
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next: Any) -> Response:
-        key = holder.state.api_key if holder.state is not None else None
-        authorized = request.headers.get("authorization") == f"Bearer {key}"
-        if key and request.url.path not in admin.OPEN_PATHS and not authorized:
-            return error_response(
-                ApiError(401, "invalid or missing API key", "AuthenticationError")
-            )
-        response: Response = await call_next(request)
-        return response
-
+    app.add_middleware(ApiKeyMiddleware, holder=holder)
     app.include_router(openai.router)
     app.include_router(native.router)
     app.include_router(admin.router)
