@@ -1,6 +1,7 @@
-"""Structured output at the API's edge: what OpenAI's `response_format` and SGLang's
+"""Structured output at the API's edge: what OpenAI's `response_format`, SGLang's
 constraint extras (`json_schema`, `regex`, `ebnf`, `structural_tag`, at the top level of its
-OpenAI requests) ask the sampler for, as sampling params (`rsgl.grammar` compiles them).
+OpenAI requests) and vLLM's `guided_*` fields ask the sampler for, as sampling params
+(`rsgl.grammar` compiles them).
 
 Tool calls force their output with a JSON schema too; `rsgl.tool_calls` builds it.
 """
@@ -19,22 +20,60 @@ _SCHEMA_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
 def constraint_params(
-    response_format: dict[str, Any] | None, extras: dict[str, Any]
+    response_format: dict[str, Any] | None,
+    extras: dict[str, Any],
+    guided: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The sampling params (`json_schema`, `regex`, ...) that an OpenAI request's
-    `response_format` and SGLang extras ask for; InvalidRequest naming the field for a
-    malformed format, and naming both when more than one constraint is given."""
-    params = {k: v for k, v in extras.items() if v not in (None, "")}
+    `response_format`, SGLang extras and vLLM `guided_*` fields ask for; InvalidRequest
+    naming the field for a malformed one, and naming both when more than one is given."""
+    asked = asked_constraints(response_format, extras, guided)
+    if len(asked) > 1:
+        (first, _), (second, _) = asked[:2]
+        raise InvalidRequest(
+            f"{first} and {second} are both set: a request takes one constraint", second
+        )
+    return asked[0][1] if asked else {}
+
+
+def asked_constraints(
+    response_format: dict[str, Any] | None,
+    extras: dict[str, Any],
+    guided: dict[str, Any] | None = None,
+) -> list[tuple[str, dict[str, Any]]]:
+    """Each constraint a request gives: the field's name, and the sampling params it asks
+    for."""
+    asked = [(k, {k: v}) for k, v in extras.items() if v not in (None, "")]
     fmt = _response_format(response_format)
     if fmt:
-        if params:
-            other = next(iter(params))
-            raise InvalidRequest(
-                f"response_format and {other} are both set: a request takes one constraint",
-                other,
-            )
-        return fmt
-    return params
+        asked.insert(0, ("response_format", fmt))
+    for name, value in (guided or {}).items():
+        if value is not None:
+            asked.append((name, _guided(name, value)))
+    return asked
+
+
+# vLLM's guided-decoding fields (its OpenAI extras until v0.12, which ignores them since):
+# each is one of the constraints rsgl compiles.
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_grammar", "guided_choice")
+
+# What a regex's syntax gives a meaning to outside a character class, in both backends.
+_REGEX_SPECIAL = re.compile(r"[\\.^$|?*+()\[\]{}]")
+
+
+def _guided(name: str, value: Any) -> dict[str, Any]:
+    if name == "guided_json":
+        if isinstance(value, str):
+            return {"json_schema": value}
+        return {"json_schema": json.dumps(value)}
+    if name == "guided_regex":
+        return {"regex": value}
+    if name == "guided_grammar":
+        return {"ebnf": value}
+    if not value or not all(isinstance(c, str) for c in value):
+        raise InvalidRequest("guided_choice must be a non-empty list of strings", name)
+    # vLLM's reading: exactly one of the choices.
+    return {"regex": "(" + "|".join(_REGEX_SPECIAL.sub(r"\\\g<0>", c) for c in value) + ")"}
 
 
 def _response_format(fmt: dict[str, Any] | None) -> dict[str, Any]:
@@ -77,4 +116,4 @@ def _response_format(fmt: dict[str, Any] | None) -> dict[str, Any]:
     )
 
 
-__all__ = ["CONSTRAINT_FIELDS", "constraint_params"]
+__all__ = ["CONSTRAINT_FIELDS", "GUIDED_FIELDS", "asked_constraints", "constraint_params"]

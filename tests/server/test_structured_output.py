@@ -153,6 +153,61 @@ def test_require_reasoning_without_a_reasoning_parser_is_a_400(server: str) -> N
     assert "--reasoning-parser" in out.json()["error"]["message"]
 
 
+def test_vllm_guided_fields_constrain_the_output(client: openai.OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"enum": ["yes", "no"]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    chat = {"model": MODEL, "max_tokens": 30, "temperature": 0}
+    ask = [{"role": "user", "content": "Is the sky blue?"}]
+    out = client.chat.completions.create(messages=ask, extra_body={"guided_json": schema}, **chat)
+    jsonschema.validate(json.loads(out.choices[0].message.content or ""), schema)
+    choices = ["blue sky", "green (grass)", "red?"]
+    out = client.chat.completions.create(
+        messages=ask, extra_body={"guided_choice": choices}, **chat
+    )
+    assert out.choices[0].message.content in choices
+    assert out.choices[0].finish_reason == "stop"
+    phone = client.completions.create(
+        prompt="Call me at", extra_body={"guided_regex": r" \d{3}-\d{4}"}, **chat
+    )
+    assert re.fullmatch(r" \d{3}-\d{4}", phone.choices[0].text)
+    said = client.completions.create(
+        prompt="Answer:", extra_body={"guided_grammar": 'root ::= " yes" | " no"'}, **chat
+    )
+    assert said.choices[0].text in (" yes", " no")
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "says"),
+    [
+        ({"regex": "a", "guided_json": {}}, "guided_json", "regex and guided_json are both"),
+        (
+            {"response_format": {"type": "json_object"}, "guided_choice": ["a"]},
+            "guided_choice",
+            "response_format and guided_choice are both set",
+        ),
+        ({"guided_choice": []}, "guided_choice", "non-empty list"),
+        ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend", "--grammar-backend"),
+        ({"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern", "not supported"),
+    ],
+)
+def test_a_guided_field_rsgl_cannot_honour_is_a_400_naming_it(
+    client: openai.OpenAI, extra: dict[str, Any], param: str, says: str
+) -> None:
+    for create in (client.completions.create, client.chat.completions.create):
+        kw: dict[str, Any] = {"prompt": "hi"}
+        if create == client.chat.completions.create:
+            kw = {"messages": [{"role": "user", "content": "hi"}]}
+        with pytest.raises(openai.BadRequestError) as raised:
+            create(model=MODEL, max_tokens=5, extra_body=extra, **kw)  # type: ignore[call-overload]
+        error = raised.value.body
+        assert isinstance(error, dict) and says in error["message"], error
+        assert error["param"] == param
+
+
 # xgrammar compiles each distinct bounded string of a schema with optional properties for
 # about a second here (measured: 10 s for eight): a real compile that is still under way when
 # its client leaves.

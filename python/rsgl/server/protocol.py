@@ -210,6 +210,11 @@ class OpenAIRequest(BaseModel):
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | dict[str, Any] | None = None
+    # vLLM's guided decoding (read as the constraints above).
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
 
     def sampling_params(self) -> dict[str, Any]:
         """SGLang sampling_params for this request (the caller adds max_new_tokens, n and
@@ -231,9 +236,18 @@ class OpenAIRequest(BaseModel):
             "seed": self.seed,
             "logit_bias": self.logit_bias or {},
         }
-        extras: dict[str, Any] = {name: getattr(self, name) for name in CONSTRAINT_FIELDS}
-        params.update(structured_output.constraint_params(self.response_format, extras))
+        params.update(structured_output.constraint_params(*self._constraints()))
         return params
+
+    def constraint_field(self) -> str | None:
+        """The field that constrains the output (the first, if several do)."""
+        asked = structured_output.asked_constraints(*self._constraints())
+        return asked[0][0] if asked else None
+
+    def _constraints(self) -> tuple[dict[str, Any] | None, dict[str, Any], dict[str, Any]]:
+        extras: dict[str, Any] = {name: getattr(self, name) for name in CONSTRAINT_FIELDS}
+        guided = {name: getattr(self, name) for name in structured_output.GUIDED_FIELDS}
+        return self.response_format, extras, guided
 
 
 class CompletionRequest(OpenAIRequest):

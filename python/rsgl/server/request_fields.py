@@ -24,6 +24,7 @@ from typing import Any
 from rsgl.errors import InvalidRequest
 from rsgl.grammar.constraint import CONSTRAINT_FIELDS
 from rsgl.sampling_params import SamplingParams
+from rsgl.structured_output import GUIDED_FIELDS
 from rsgl.validation import SAMPLING_ALIASES, UNSET_ONLY_SAMPLING_FIELDS
 
 # Where a field is read: the request bodies the server takes (`sampling_params` is
@@ -101,6 +102,22 @@ def _structured_rules() -> list[FieldRule]:
             OPENAI,
             H,
             "SGLang's constraint extras (one per request, or response_format)",
+        ),
+        FieldRule(
+            GUIDED_FIELDS,
+            OPENAI,
+            H,
+            "vLLM's guided decoding, read as `json_schema`, `regex`, `ebnf`, and `guided_choice` "
+            "as a regex of the escaped choices (one of them exactly); one constraint per "
+            "request, of these, the SGLang extras and response_format",
+        ),
+        FieldRule(
+            ("guided_decoding_backend", "guided_whitespace_pattern"),
+            OPENAI,
+            R,
+            "vLLM's per-request backend and whitespace; rsgl's are server options "
+            "(`--grammar-backend`, `--constrained-json-max-whitespace`)",
+            (None, ""),
         ),
         FieldRule(
             ("tools",),

@@ -11,7 +11,6 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 
 from rsgl import reasoning, tool_calls
-from rsgl.grammar.constraint import CONSTRAINT_FIELDS
 from rsgl.outputs import Output
 from rsgl.server.protocol import (
     ChatCompletionRequest,
@@ -321,11 +320,11 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, st: Sta
         names["max_new_tokens"] = "max_completion_tokens"
     raw = req.sampling_params()
     if tools.json_schema is not None:
-        other = next((name for name in CONSTRAINT_FIELDS if raw.get(name)), None)
+        other = req.constraint_field()
         if other is not None:
             raise bad_request(
                 f"tool_choice forces a tool call, which constrains the output itself; "
-                f"{'response_format' if req.response_format else other} constrains it too",
+                f"{other} constrains it too",
                 "tool_choice",
             )
         raw["json_schema"] = tools.json_schema
