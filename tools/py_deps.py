@@ -26,6 +26,7 @@ def unmet(requirement: str) -> bool:
     """True unless the installed distribution meets `requirement` ("name>=x.y" or "name")."""
     name, _, bound = requirement.partition(">=")
     bound = bound.split(",")[0]
+    name = name.split("[")[0]  # "pkg[extra]>=v" is met by pkg at v
     try:
         installed = importlib.metadata.version(name.strip())
     except importlib.metadata.PackageNotFoundError:
