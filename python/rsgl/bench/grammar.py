@@ -6,6 +6,15 @@
   what is open, so the walk goes through keys, strings, numbers and the end), p50 / p99 in µs.
 - `compile`: compile time per schema, cold (a new compiler each time) and cached (a hit in
   rsgl's compiler cache), p50 / p99 in ms.
+- `ttft` (an engine per backend): time to first token of a request whose grammar is a cache
+  miss (each corpus schema the first time) against a hit (the same schema again, another
+  prompt so the radix cache does not help), and of a free request; p50 in ms. The first
+  grammar an engine sees also builds the backend (its tokenizer tables): reported apart.
+- `interference`: `--decode-requests` free requests decode while a pathological schema (one
+  that xgrammar takes seconds to compile, `pathological_schema`) compiles, against the same
+  decode with no compile, alternated `--rounds` times: the step times (the gaps between one
+  streamed request's tokens) while the compile was in flight, p50 / p99 in ms, and the p99
+  ratio. The issue asks p99 within 10%.
 - `throughput` (with `--model`, the embedded model by default): `--num-prompts` requests
   generated at once, each constrained by a corpus schema, against the same requests free with
   the same output lengths (each free request generates exactly as many tokens as its
@@ -14,6 +23,7 @@
 
     rsgl bench grammar --backends xgrammar llguidance --json
     rsgl bench grammar --parts masks compile
+    rsgl bench grammar --backends xgrammar --parts ttft interference
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -178,14 +189,127 @@ def bench_throughput(
     }
 
 
+def bench_ttft(backend: str, corpus: dict[str, Any], model: str | None) -> dict[str, Any]:
+    from rsgl.engine import Engine
+
+    def ttft(engine: Engine, prompt: str, params: dict[str, Any]) -> float:
+        # One token: the request's whole life is its time to first token.
+        start = time.perf_counter()
+        engine.generate(prompt, dict(params, max_new_tokens=1, temperature=0))
+        return time.perf_counter() - start
+
+    miss: list[float] = []
+    hit: list[float] = []
+    with Engine(model, grammar_backend=backend, max_total_tokens=65536) as engine:
+        ttft(engine, "Warm up.", {})
+        free = [ttft(engine, f"{i} Record of a person, as JSON:", {}) for i in range(5)]
+        first = ttft(engine, "The first grammar:", {"regex": "[0-9]+"})
+        for i, schema in enumerate(corpus.values()):
+            params = {"json_schema": json.dumps(schema)}
+            # Distinct leading words: no prompt shares a cached prefix with another.
+            miss.append(ttft(engine, f"Miss {i}: record as JSON:", params))
+            hit.append(ttft(engine, f"Hit {i}: record as JSON:", params))
+    ratios = [m / h for m, h in zip(miss, hit, strict=True)]
+    return {
+        "schemas": len(miss),
+        "free_ms": _percentiles(free, 1e3)["p50"],
+        "first_grammar_ms": round(first * 1e3, 1),
+        "miss_ms": _percentiles(miss, 1e3),
+        "hit_ms": _percentiles(hit, 1e3),
+        "miss_over_hit_median": round(statistics.median(ratios), 2),
+    }
+
+
+def pathological_schema(props: int, tag: str) -> dict[str, Any]:
+    """An object of `props` optional strings, each with its own maxLength: xgrammar builds
+    every bounded string separately and takes about a second per property here (eight: 10 s
+    on a 2-core EPYC); llguidance compiles it in milliseconds. `tag` names the properties, so
+    each run's schema is a cache miss."""
+    fields = {f"{tag}{i}": {"type": "string", "maxLength": 40 + i} for i in range(props)}
+    return {"type": "object", "properties": fields}
+
+
+def bench_interference(
+    backend: str,
+    model: str | None,
+    decode_requests: int,
+    max_new_tokens: int,
+    props: int,
+    rounds: int,
+) -> dict[str, Any]:
+    from rsgl.engine import Engine
+
+    prompts: list[str | list[int]] = [
+        f"Story {i}: once upon a time" for i in range(decode_requests)
+    ]
+    free = {"max_new_tokens": max_new_tokens, "ignore_eos": True, "temperature": 0}
+
+    def run(engine: Engine, schema: dict[str, Any] | None) -> tuple[list[float], float]:
+        """One decode of the prompts (with `schema` submitted once it runs): the step times
+        from then until that request's first token (all of them without one), and that
+        span's seconds."""
+        others = threading.Thread(
+            target=engine.generate, args=(prompts[1:], [free] * (decode_requests - 1))
+        )
+        others.start()
+        stamps: list[float] = []
+        window = [0.0, float("inf")]
+        compiling: threading.Thread | None = None
+
+        def compile_now() -> None:
+            assert schema is not None
+            window[0] = time.perf_counter()
+            params = {"json_schema": json.dumps(schema), "max_new_tokens": 1}
+            engine.generate("Pathological:", params)
+            window[1] = time.perf_counter()
+
+        for _ in engine.generate(prompts[0], free, stream=True):
+            stamps.append(time.perf_counter())
+            if schema is not None and compiling is None and len(stamps) == 8:
+                compiling = threading.Thread(target=compile_now)
+                compiling.start()
+        others.join()
+        if compiling is not None:
+            compiling.join()
+        gaps = [
+            b - a
+            for a, b in zip(stamps[8:], stamps[9:], strict=False)
+            if window[0] <= a and b <= window[1]
+        ]
+        return gaps, window[1] - window[0] if schema is not None else 0.0
+
+    base: list[float] = []
+    loaded: list[float] = []
+    compile_s: list[float] = []
+    with Engine(model, grammar_backend=backend, max_total_tokens=65536) as engine:
+        engine.generate("Warm up:", {"regex": "[0-9]+", "max_new_tokens": 2})  # the backend
+        for r in range(rounds):  # alternating, so drifting load hits both alike
+            base += run(engine, None)[0]
+            gaps, seconds = run(engine, pathological_schema(props, f"r{r}_"))
+            loaded += gaps
+            compile_s.append(seconds)
+    without = _percentiles(base, 1e3)
+    out: dict[str, Any] = {
+        "decode_requests": decode_requests,
+        "compile_s": [round(c, 2) for c in compile_s],
+        "steps_measured": {"without": len(base), "during_compile": len(loaded)},
+        "step_ms_without": without,
+    }
+    if loaded:  # none: it compiled within a step (llguidance), nothing to compare
+        during = _percentiles(loaded, 1e3)
+        out["step_ms_during_compile"] = during
+        out["p99_ratio"] = round(during["p99"] / without["p99"], 3)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rsgl bench grammar", description=__doc__.split("\n")[0])
     parser.add_argument("--backends", nargs="+", default=["xgrammar", "llguidance"])
     parser.add_argument(
         "--parts",
         nargs="+",
-        default=["masks", "compile", "throughput"],
-        choices=["masks", "compile", "throughput"],
+        default=["masks", "compile", "ttft", "interference", "throughput"],
+        choices=["masks", "compile", "ttft", "interference", "throughput"],
     )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--steps", type=int, default=200, help="mask fills per batch size")
@@ -193,7 +317,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3, help="constrained/free pairs, alternated")
-    parser.add_argument("--model", default=None, help="model for `throughput` (default: embedded)")
+    parser.add_argument("--decode-requests", type=int, default=16, help="for `interference`")
+    parser.add_argument(
+        "--pathological-props",
+        type=int,
+        default=8,
+        help="`interference`: properties of the slow schema (about a second each for xgrammar)",
+    )
+    parser.add_argument(
+        "--model", default=None, help="model for `ttft`, `interference`, `throughput`"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
 
@@ -219,6 +352,17 @@ def main(argv: list[str] | None = None) -> int:
             ]
         if "compile" in args.parts:
             entry["compile"] = bench_compile(make, corpus, args.compile_rounds)
+        if "ttft" in args.parts:
+            entry["ttft"] = bench_ttft(name, corpus, args.model)
+        if "interference" in args.parts:
+            entry["interference"] = bench_interference(
+                name,
+                args.model,
+                args.decode_requests,
+                args.max_new_tokens,
+                args.pathological_props,
+                args.rounds,
+            )
         if "throughput" in args.parts:
             entry["throughput"] = bench_throughput(
                 name, corpus, args.num_prompts, args.max_new_tokens, args.model, args.rounds
