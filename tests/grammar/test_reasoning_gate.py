@@ -69,3 +69,22 @@ def test_a_marker_that_breaks_off_and_starts_again_still_ends_the_reasoning(
         assert gate.masking() is None
         gate.accept(token)
     assert gate.masking() is gate.inner
+
+
+def test_a_step_waits_for_a_mask_only_when_the_reasoning_may_end_by_then(
+    backend: GrammarBackend, tokenizer: Any
+) -> None:
+    gate = gated(backend, tokenizer)
+    *before_last, last = gate.end_ids
+    thought = tokenizer.encode("Some thought", add_special_tokens=False)
+    for token in [*thought, *before_last]:
+        # The token in flight cannot complete the marker: the next one samples freely.
+        assert not gate.may_mask_after_one()
+        gate.accept(token)
+    assert gate.may_mask_after_one()  # the token in flight may be the marker's last
+    gate.accept(thought[0])  # it was not: the reasoning goes on
+    assert not gate.may_mask_after_one()
+    for token in gate.end_ids:
+        gate.accept(token)
+    assert gate.may_mask_after_one() and gate.masking() is gate.inner
+    assert gate.inner.may_mask_after_one()  # a grammar of its own always may

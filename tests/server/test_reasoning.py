@@ -134,3 +134,16 @@ def test_qwen3_reasons_unless_enable_thinking_is_false(qwen3: openai.OpenAI) -> 
     assert reasoning_of(plain.message) is None
     assert re.fullmatch("(yes|no)", plain.message.content or "")
     assert plain.finish_reason == "stop"
+    # A prompt that has opened the reasoning reasons, enable_thinking or not.
+    opened = qwen3.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": "<think>"},
+        ],
+        temperature=0,
+        max_tokens=24,
+        extra_body=dict(off, continue_final_message=True),
+    ).choices[0]
+    assert reasoning_of(opened.message) and opened.message.content == ""
+    assert not re.fullmatch("(yes|no)", reasoning_of(opened.message) or "")

@@ -56,6 +56,11 @@ class Matcher(ABC):
         follow, e.g. while a reasoning runs before the grammar applies)."""
         return self
 
+    def may_mask_after_one(self) -> bool:
+        """Whether, one token (still in flight) from now, `masking()` may be a matcher: a
+        step whose rows all say no samples without waiting for masks."""
+        return True
+
 
 class GrammarBackend(ABC):
     """Compiles constraints and fills masks for one tokenizer and vocabulary width."""

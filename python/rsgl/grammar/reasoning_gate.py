@@ -56,5 +56,10 @@ class ReasoningGate(Matcher):
     def masking(self) -> Matcher | None:
         return None if self.reasoning else self.inner
 
+    def may_mask_after_one(self) -> bool:
+        # A reasoning long enough to matter samples its steps unmasked, without waiting:
+        # only the token that may complete the end marker can open the grammar.
+        return not self.reasoning or self.matched == len(self.end_ids) - 1
+
 
 __all__ = ["ReasoningGate", "reasoning_end_ids"]

@@ -460,14 +460,17 @@ class SchedulerLoop:
             self._abort_all(f"engine error: {exc!r}", 500)
 
     def _step_mask(self, plan: Plan) -> StepMask | None:
-        """A mask for the plan's rows whose requests have a grammar (None when none has)."""
+        """A mask for the plan's rows whose requests have a grammar that may apply by then
+        (None when none has). At most one step, the one before, is still in flight."""
         if not self._constrained:
             return None
         requests = self._requests
         rows = [
             i
             for i, core_id in enumerate(plan.rids.tolist())
-            if (req := requests.get(core_id)) is not None and req.matcher is not None
+            if (req := requests.get(core_id)) is not None
+            and req.matcher is not None
+            and req.matcher.may_mask_after_one()
         ]
         if not rows:
             return None
