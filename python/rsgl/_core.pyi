@@ -185,6 +185,15 @@ class Scheduler:
         """Plans the next step (an "idle" plan when there is nothing to do)."""
     def commit(self, plan_id: int, next_token_ids: Sequence[int] | _I64) -> Outcome:
         """Applies a step's sampled tokens (one per request of the plan, in plan order)."""
+    def decode_run(
+        self, max_steps: int, token: int
+    ) -> tuple[int, _I64, _I64, list[tuple[int, Finished]], _I64, _I64, _I64, Plan | None]:
+        """Up to `max_steps` times, as the overlap loop when its oldest step ends: commits
+        the oldest plan in flight with `token` for every request, then plans the next step.
+        Returns `(committed, tokens_per_step, rids, finished, plan_ids, batch_sizes,
+        context_tokens, other)`: the steps committed, how many requests each gave a token
+        and their ids, `(step, Finished)` for what they finished, each plain decode plan made
+        (id, batch size, KV read), and the plan that ended the run by not being one."""
     def abort(self, rid: int, message: str = ...) -> Literal["removed", "deferred", "unknown"]:
         """Aborts a request: "removed" now, "deferred" until the steps reading it commit."""
     def fail(self, rid: int, message: str) -> Literal["removed", "deferred", "unknown"]:

@@ -282,3 +282,38 @@ def test_the_linear_fit_never_makes_a_cost_negative() -> None:
     assert min(fitted.coefficients) >= 0
     long_prefill = StepShape(1, 4096, 1, 4096, 0, 4096 * 4097 / 2)
     assert fitted.step_seconds(long_prefill) >= fitted.step_seconds(shapes[0]) > 0
+
+
+@pytest.mark.parametrize("method", ["round_robin", "total_tokens"])
+@pytest.mark.parametrize(("pool", "span"), [(1000, 0.5), (1400, 3.0)])
+def test_decode_runs_in_one_core_call_change_nothing(method: str, pool: int, span: float) -> None:
+    # The same traffic step by step and with runs of decode steps played by the core in
+    # one call: every request's times, every gap and every counter agree. The small pool
+    # under a burst retracts; the larger one over 3 s mostly decodes.
+    config = _config()
+    requests = _mixed_requests(60, seed=5)
+    arrivals = np.sort(np.random.default_rng(2).uniform(0, span, 60))
+    dep = Deployment(EngineArgs(), config, spec=HardwareSpec.load("h100"))
+    results = []
+    for fast in (False, True):
+        sim = Simulation(
+            lambda: build_core(ARGS, pool, 8192, config),
+            dep.cost_model(),
+            Workload(arrivals, WorkloadSpec(), recorded=requests),
+            dp_size=2,
+            load_balance_method=method,
+            fast_forward=fast,
+        )
+        report = sim.run()
+        itl = np.sort(np.concatenate(sim._itl))
+        results.append((report, sim.first_token.copy(), sim.finish.copy(), itl, sim.events))
+    (slow, ttft0, end0, itl0, events0), (fast_, ttft1, end1, itl1, events1) = results
+    assert (slow["retractions"] > 0) == (pool == 1000)
+    np.testing.assert_allclose(ttft1, ttft0, rtol=1e-12)
+    np.testing.assert_allclose(end1, end0, rtol=1e-12)
+    np.testing.assert_allclose(itl1, itl0, rtol=1e-9, atol=1e-12)
+    for key in ("steps", "retractions", "total_output_tokens", "cache_hit_rate", "p99_itl_ms"):
+        assert fast_[key] == slow[key], key
+    assert events1 < events0
+    if pool == 1400:
+        assert events1 < events0 / 2  # most decode steps were played in runs

@@ -144,7 +144,7 @@ def main(argv: list[str]) -> int:
     print(format_table(record), file=sys.stderr)
     print(
         f"simulated {record['events']} events in {record['sim_wall_s']} s "
-        f"({record['events_per_s']} events/s)",
+        f"({record['events_per_s']} events/s, {record['steps_per_s']} steps/s)",
         file=sys.stderr,
     )
     _emit(record, args.output_file)

@@ -11,7 +11,7 @@ use pyo3::types::PyDict;
 use crate::pool::TokenPool;
 use crate::radix::RadixTree;
 use crate::request::{FinishReason, SamplingLimits};
-use crate::scheduler::{AbortStatus, CoreError, Finished, Scheduler, SchedulerConfig};
+use crate::scheduler::{AbortStatus, CoreError, Finished, Plan, Scheduler, SchedulerConfig};
 
 mod convert;
 mod detokenizer;

@@ -151,28 +151,36 @@ impl PyScheduler {
 
     /// Plans the next step.
     fn schedule(&mut self, py: Python<'_>) -> PyResult<PyPlan> {
-        let p = self.inner.schedule();
-        Ok(PyPlan {
-            id: p.id,
-            forward_mode: p.mode.name(),
-            batch_size: p.rids.len(),
-            num_extends: p.num_extends,
-            num_tokens: p.input_ids.len(),
-            rids: array(py, p.rids),
-            req_slots: array(py, p.req_slots),
-            prefix_lens: array(py, p.prefix_lens),
-            extend_lens: array(py, p.extend_lens),
-            seq_lens: array(py, p.seq_lens),
-            sample: PyArray1::from_vec(py, p.sample).unbind(),
-            input_ids: array(py, p.input_ids),
-            positions: array(py, p.positions),
-            out_cache_loc: array(py, p.out_cache_loc),
-            write_rows: array(py, p.write_rows),
-            write_cols: array(py, p.write_cols),
-            write_slots: array(py, p.write_slots),
-            admitted: array(py, p.admitted),
-            retracted: array(py, p.retracted),
-        })
+        Ok(plan_to_py(py, self.inner.schedule()))
+    }
+
+    /// Up to `max_steps` times, as the overlap loop when its oldest step ends: commits the
+    /// oldest plan in flight with `token` for every request, then plans the next step
+    /// (`rsgl bench simulate`'s runs of plain decode steps). Returns `(committed,
+    /// tokens_per_step, rids, finished, plan_ids, batch_sizes, context_tokens, other)`: the
+    /// steps committed, how many requests each gave a token and their ids (step after
+    /// step), `(step, Finished)` for what they finished, each plain decode plan made (id,
+    /// batch size, KV read), and the plan that ended the run by not being one (or None).
+    fn decode_run(&mut self, py: Python<'_>, max_steps: usize, token: i64) -> PyResult<Py<PyAny>> {
+        let run = self.inner.decode_run(max_steps, token).map_err(to_py_err)?;
+        let finished = run
+            .finished
+            .into_iter()
+            .map(|(step, f)| Ok((step, finished_list(py, vec![f])?.remove(0))))
+            .collect::<PyResult<Vec<_>>>()?;
+        let plan_ids: Vec<i64> = run.plan_ids.into_iter().map(|id| id as i64).collect();
+        let other = run.other.map(|p| plan_to_py(py, p));
+        let out = (
+            run.committed,
+            array(py, run.tokens_per_step),
+            array(py, run.rids),
+            finished,
+            array(py, plan_ids),
+            array(py, run.batch_sizes),
+            array(py, run.context_tokens),
+            other,
+        );
+        Ok(out.into_pyobject(py)?.into_any().unbind())
     }
 
     /// Applies a step's sampled tokens (one per request of the plan, in plan order).
@@ -314,5 +322,30 @@ impl PyScheduler {
         d.set_item("req_slot", r.req_slot)?;
         d.set_item("cached_tokens", r.cached_tokens)?;
         Ok(Some(d))
+    }
+}
+
+/// A core plan as the Python `Plan` (its vectors become numpy arrays, without copies).
+fn plan_to_py(py: Python<'_>, p: Plan) -> PyPlan {
+    PyPlan {
+        id: p.id,
+        forward_mode: p.mode.name(),
+        batch_size: p.rids.len(),
+        num_extends: p.num_extends,
+        num_tokens: p.input_ids.len(),
+        rids: array(py, p.rids),
+        req_slots: array(py, p.req_slots),
+        prefix_lens: array(py, p.prefix_lens),
+        extend_lens: array(py, p.extend_lens),
+        seq_lens: array(py, p.seq_lens),
+        sample: PyArray1::from_vec(py, p.sample).unbind(),
+        input_ids: array(py, p.input_ids),
+        positions: array(py, p.positions),
+        out_cache_loc: array(py, p.out_cache_loc),
+        write_rows: array(py, p.write_rows),
+        write_cols: array(py, p.write_cols),
+        write_slots: array(py, p.write_slots),
+        admitted: array(py, p.admitted),
+        retracted: array(py, p.retracted),
     }
 }

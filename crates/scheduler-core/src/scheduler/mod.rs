@@ -32,9 +32,11 @@ mod check;
 mod commit;
 mod config;
 mod decode;
+mod fast_forward;
 mod plan;
 
 pub use config::{CoreError, SchedulerConfig};
+pub use fast_forward::DecodeRun;
 pub use plan::{AbortStatus, Counters, Finished, ForwardMode, Outcome, Plan, Stats};
 use plan::{Entry, Extend, InFlight};
 

@@ -161,6 +161,7 @@ class Deployment:
         wall = time.perf_counter() - started
         summary["sim_wall_s"] = round(wall, 3)
         summary["events_per_s"] = round(sim.events / wall, 1) if wall > 0 else None
+        summary["steps_per_s"] = round(summary["steps"] / wall, 1) if wall > 0 else None
         return {
             "dataset": spec.dataset,
             "num_prompts": len(workload),

@@ -81,9 +81,13 @@ class StepShape:
 
 
 class CostModel(Protocol):
-    """Seconds one step of `shape` takes."""
+    """Seconds one step of `shape` takes; `decode_seconds` prices many decode steps at once
+    (`batch[i]` rows reading `context[i]` tokens of KV: `StepShape.of` a decode plan), as
+    `step_seconds` would one by one."""
 
     def step_seconds(self, shape: StepShape) -> float: ...
+
+    def decode_seconds(self, batch: np.ndarray, context: np.ndarray) -> np.ndarray: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +98,9 @@ class FixedCost:
 
     def step_seconds(self, shape: StepShape) -> float:
         return self.seconds
+
+    def decode_seconds(self, batch: np.ndarray, context: np.ndarray) -> np.ndarray:
+        return np.full(len(batch), self.seconds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +122,12 @@ class LinearCost:
             + c[4] * shape.num_extends
         )
         return t if t > self.floor_s else self.floor_s
+
+    def decode_seconds(self, batch: np.ndarray, context: np.ndarray) -> np.ndarray:
+        c = self.coefficients
+        t = c[0] + (c[1] + c[2]) * batch + c[3] * context
+        out: np.ndarray = np.maximum(t, self.floor_s)
+        return out
 
     @classmethod
     def fit(
@@ -228,26 +241,41 @@ class RooflineCost:
     tp_size: int = 1
 
     def step_seconds(self, shape: StepShape) -> float:
+        return float(
+            self._seconds(
+                shape.batch_size,
+                shape.new_tokens,
+                shape.context_tokens,
+                shape.attention_pairs,
+            )
+        )
+
+    def decode_seconds(self, batch: np.ndarray, context: np.ndarray) -> np.ndarray:
+        out: np.ndarray = np.asarray(self._seconds(batch, batch, context, context))
+        return out
+
+    def _seconds(self, batch: Any, new_tokens: Any, context: Any, pairs: Any) -> Any:
+        """Scalars or arrays alike (element-wise)."""
         spec, m = self.spec, self.model
         eff = spec.efficiency
-        read = m.weight_bytes + m.kv_bytes_per_token * (shape.context_tokens + shape.new_tokens)
+        read = m.weight_bytes + m.kv_bytes_per_token * (context + new_tokens)
         flops = (
-            m.flops_per_token * shape.new_tokens
-            + m.lm_head_flops * shape.batch_size
-            + m.attention_flops_per_pair * shape.attention_pairs
+            m.flops_per_token * new_tokens
+            + m.lm_head_flops * batch
+            + m.attention_flops_per_pair * pairs
         )
         memory_s = read / (spec.memory_bandwidth * eff["memory"])
         compute_s = flops / (spec.peak_flops[self.dtype] * eff["compute"])
-        comm_s = 0.0
+        comm_s: Any = 0.0
         if m.allreduces_per_step:
             # A ring all-reduce moves 2 (n - 1) / n of the message through each GPU's link.
             n = self.tp_size
-            message = m.allreduce_bytes_per_token * shape.new_tokens
+            message = m.allreduce_bytes_per_token * new_tokens
             per_call = (
                 2 * (n - 1) / n * message / (spec.interconnect_bandwidth * eff["interconnect"])
             )
             comm_s = m.allreduces_per_step * (spec.allreduce_latency_s + per_call)
-        return max(memory_s, compute_s) + comm_s + spec.step_overhead_s
+        return np.maximum(memory_s, compute_s) + comm_s + spec.step_overhead_s
 
 
 def load_cost_model(path: str | Path) -> LinearCost:

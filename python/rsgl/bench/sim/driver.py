@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from rsgl._core import Plan, Scheduler
+from rsgl._core import Finished, Plan, Scheduler
 from rsgl.bench.serving import summarize_arrays
 from rsgl.bench.sim.cost import CostModel, StepShape
 from rsgl.bench.sim.workload import Workload
@@ -30,13 +30,21 @@ from rsgl.server.dispatcher import Dispatcher
 # The token every step samples; requests ignore EOS, so its value never ends one.
 SAMPLED_TOKEN = 100
 
+# Most decode steps one `decode_run` call may play (a bound on the prediction's arrays).
+RUN_STEPS = 1024
+
 # Called with (replica, plan) for every launched step (tests compare step sequences).
 OnLaunch = Callable[[int, Plan], None]
 
 
 @dataclass(slots=True)
 class _Launched:
-    plan: Plan
+    """A planned step in flight: what committing and pricing it needs, and when it ends."""
+
+    id: int
+    batch_size: int
+    num_extends: int
+    context_tokens: int
     end: float
 
 
@@ -70,8 +78,13 @@ class Simulation:
         context_length: int | None = None,
         overlap: bool = True,
         on_launch: OnLaunch | None = None,
+        fast_forward: bool = True,
     ) -> None:
         self.cost = cost
+        # Runs of decode steps in one core call (`_fast_forward`); off, every step is a
+        # wake-up of its own (and `on_launch` sees every plan).
+        self.fast_forward = fast_forward
+        self._next_arrival = 0
         self.workload = workload
         self.overlap = overlap
         self.on_launch = on_launch
@@ -111,6 +124,7 @@ class Simulation:
                 prompt, output_len = next(requests)
                 self._arrive(k, float(t_arrival), prompt, output_len)
                 k += 1
+                self._next_arrival = k
             self.events += 1
         return self.report()
 
@@ -137,39 +151,130 @@ class Simulation:
         """Replica `r`'s loop at `now`: commit the step that ends now (if that is why it
         woke), then plan and launch until it must wait for a step to end (or sleeps)."""
         rep = self.replicas[r]
-        core = rep.core
         if rep.committing:
             assert rep.launched is not None
-            self._commit(rep, rep.launched.plan, now)
+            if self._can_fast_forward(rep):
+                self._fast_forward(r, rep, now)
+                return
+            self._commit(rep, rep.launched, now)
             rep.launched, rep.nxt, rep.committing = rep.nxt, None, False
+        self._plan(r, rep, now)
+
+    def _plan(self, r: int, rep: _Replica, now: float) -> None:
+        """The loop's planning half: drain arrivals, schedule, launch, until it waits."""
         while True:
             if rep.pending:
                 self._admit(rep)
-            plan = core.schedule()
-            nxt = None
-            if plan.forward_mode != "idle":
-                start = now if rep.launched is None else max(now, rep.launched.end)
-                seconds = self.cost.step_seconds(StepShape.of(plan))
-                nxt = _Launched(plan, start + seconds)
-                rep.steps += 1
-                rep.busy_s += seconds
-                if self.on_launch is not None:
-                    self.on_launch(r, plan)
-            if rep.launched is not None:
-                # Overlap: the plan just made waits while the running step ends.
-                rep.nxt, rep.committing = nxt, True
-                self._wake(r, rep.launched.end)
+            if self._launch(r, rep, rep.core.schedule(), now):
                 return
-            rep.launched = nxt
-            if nxt is None:
-                if core.has_work:
-                    raise RuntimeError(f"replica {r}: work left but nothing to schedule")
-                rep.asleep = True
-                return
-            if not self.overlap:
-                rep.committing = True
-                self._wake(r, nxt.end)
-                return
+
+    def _launch(self, r: int, rep: _Replica, plan: Plan, now: float) -> bool:
+        """Launches a plan made at `now`; True when the replica now waits (for a step to
+        end, or asleep), False when the loop plans again at once (overlap)."""
+        nxt = None
+        if plan.forward_mode != "idle":
+            start = now if rep.launched is None else max(now, rep.launched.end)
+            shape = StepShape.of(plan)
+            seconds = self.cost.step_seconds(shape)
+            nxt = _Launched(
+                plan.id, plan.batch_size, plan.num_extends, shape.context_tokens, start + seconds
+            )
+            rep.steps += 1
+            rep.busy_s += seconds
+            if self.on_launch is not None:
+                self.on_launch(r, plan)
+        if rep.launched is not None:
+            # Overlap: the plan just made waits while the running step ends.
+            rep.nxt, rep.committing = nxt, True
+            self._wake(r, rep.launched.end)
+            return True
+        rep.launched = nxt
+        if nxt is None:
+            if rep.core.has_work:
+                raise RuntimeError(f"replica {r}: work left but nothing to schedule")
+            rep.asleep = True
+            return True
+        if not self.overlap:
+            rep.committing = True
+            self._wake(r, nxt.end)
+            return True
+        return False
+
+    # ------------------------------------------------------------------ decode runs
+
+    def _can_fast_forward(self, rep: _Replica) -> bool:
+        """Two decode steps in flight and no arrival waiting: what follows is a run of
+        decode steps until something changes, which the core can play in one call."""
+        nxt = rep.nxt
+        return (
+            self.fast_forward
+            and nxt is not None
+            and nxt.num_extends == 0
+            and rep.launched is not None
+            and rep.launched.num_extends == 0
+            and not rep.pending
+            and self.on_launch is None
+        )
+
+    def _horizon(self, r: int) -> float:
+        """The earliest time an arrival may reach replica `r`: it must be planned with
+        whatever arrived before it, so a run stops at it. Round robin over live ranks sends
+        arrival j to rank j mod dp; the other methods may send the next arrival anywhere."""
+        k, d = self._next_arrival, self.dispatcher
+        if d.dp_size > 1 and d.method == "round_robin" and all(d.alive):
+            k += (r - k) % d.dp_size
+        arrivals = self.workload.arrivals
+        return float(arrivals[k]) if k < len(arrivals) else math.inf
+
+    def _fast_forward(self, r: int, rep: _Replica, now: float) -> None:
+        """The wake-ups of a run of decode steps in one `decode_run` call: as many commits
+        as end before the horizon (priced as if the batch never shrank, which only
+        overestimates: a step never gets cheaper with more rows), then the same state the
+        step-by-step path would leave."""
+        a, b = rep.launched, rep.nxt
+        assert a is not None and b is not None
+        horizon = self._horizon(r)
+        if b.end >= horizon:
+            max_steps = 1
+        else:
+            grow = b.batch_size * np.arange(1, RUN_STEPS + 1)
+            costs = self.cost.decode_seconds(
+                np.full(RUN_STEPS, b.batch_size), b.context_tokens + grow
+            )
+            max_steps = 2 + int(np.searchsorted(b.end + np.cumsum(costs), horizon))
+        run = rep.core.decode_run(max_steps, SAMPLED_TOKEN)
+        committed, per_step, rids, finished, plan_ids, batches, contexts, other = run
+        costs = self.cost.decode_seconds(batches, contexts)
+        ends = np.concatenate([[a.end, b.end], b.end + np.cumsum(costs)])
+        times = ends[:committed]
+        rep.steps += len(plan_ids)
+        rep.busy_s += float(costs.sum())
+        if len(rids):
+            last = self.last_token
+            first = int(per_step[0])
+            self._itl.append(times[0] - last[rids[:first]])
+            self._itl.append(np.repeat(np.diff(times), per_step[1:]))
+            np.maximum.at(last, rids, np.repeat(times, per_step))
+        for step, f in finished:
+            self._finished(f, float(times[step]))
+        now = float(times[-1])
+        flying = [a, b] + [
+            _Launched(int(i), int(n), 0, int(c), float(e))
+            for i, n, c, e in zip(plan_ids, batches, contexts, ends[2:], strict=True)
+        ]
+        flying = flying[committed:]
+        rep.launched = flying[0] if flying else None
+        rep.nxt = flying[1] if len(flying) > 1 else None
+        rep.committing = False
+        if other is not None:
+            if not self._launch(r, rep, other, now):
+                self._plan(r, rep, now)
+        elif rep.nxt is not None:
+            rep.committing = True
+            assert rep.launched is not None
+            self._wake(r, rep.launched.end)
+        else:
+            self._plan(r, rep, now)
 
     def _admit(self, rep: _Replica) -> None:
         for i, prompt, output_len in rep.pending:
@@ -180,7 +285,7 @@ class Simulation:
                 self.dispatcher.release(str(i))
         rep.pending.clear()
 
-    def _commit(self, rep: _Replica, plan: Plan, now: float) -> None:
+    def _commit(self, rep: _Replica, plan: _Launched, now: float) -> None:
         outcome = rep.core.commit(plan.id, self._tokens[: plan.batch_size])
         rids = outcome.rids
         if len(rids):
@@ -194,12 +299,15 @@ class Simulation:
                 self.first_token[rids[~started]] = now
                 self._itl.append(now - prev[started])
         for f in outcome.finished:
-            i = f.rid
-            self.finish[i] = now
-            self.output_tokens[i] = f.completion_tokens
-            self.cached_tokens[i] = f.cached_tokens
-            if self.dispatcher.dp_size > 1:
-                self.dispatcher.release(str(i))
+            self._finished(f, now)
+
+    def _finished(self, f: Finished, now: float) -> None:
+        i = f.rid
+        self.finish[i] = now
+        self.output_tokens[i] = f.completion_tokens
+        self.cached_tokens[i] = f.cached_tokens
+        if self.dispatcher.dp_size > 1:
+            self.dispatcher.release(str(i))
 
     # ------------------------------------------------------------------ the report
 
