@@ -58,6 +58,8 @@ def test_guided_fields_are_the_constraints_they_name() -> None:
         ({"type": "json_object"}, {}, {"guided_choice": ["a"]}, "guided_choice", "response_fo"),
         (None, {}, {"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "both set"),
         (None, {}, {"guided_choice": []}, "guided_choice", "non-empty list of strings"),
+        (None, {}, {"guided_json": "{nope"}, "guided_json", "not valid JSON"),
+        (None, {}, {"guided_json": "[1]"}, "guided_json", "must be a JSON schema"),
     ],
 )
 def test_a_second_constraint_or_a_bad_choice_list_is_refused_by_name(

@@ -64,7 +64,12 @@ _REGEX_SPECIAL = re.compile(r"[\\.^$|?*+()\[\]{}]")
 def _guided(name: str, value: Any) -> dict[str, Any]:
     if name == "guided_json":
         if isinstance(value, str):
-            return {"json_schema": value}
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise InvalidRequest(f"guided_json is not valid JSON: {exc}", name) from None
+        if not isinstance(value, dict | bool):
+            raise InvalidRequest(f"guided_json must be a JSON schema, got {value!r:.60}", name)
         return {"json_schema": json.dumps(value)}
     if name == "guided_regex":
         return {"regex": value}

@@ -85,6 +85,12 @@ async def generate(req: GenerateRequest, request: Request, st: State) -> Any:
             if token_ids:
                 raw["token_ids_logprob"] = token_ids
         params, n = sampling(st, raw, ids, {})
+        if params.require_reasoning and st.args.reasoning_parser is None:
+            raise bad_request(
+                "require_reasoning needs a --reasoning-parser (it says where the reasoning "
+                "ends, and a constraint begins)",
+                "require_reasoning",
+            )
         jobs.append((ids, params))
         copies.add(n)
     if len(copies) > 1:
