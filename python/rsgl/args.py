@@ -82,9 +82,15 @@ class EngineArgs:
         None,
         "weights: gguf reads a GGUF file's projections and LM head from its own 4/8-bit "
         "blocks (Q4_0, Q4_1, Q8_0; the same numbers as the dequantized model, a fraction of "
-        "the bytes per step); none runs the dequantized weights (default: gguf for GGUF "
-        "files on CPU with one tensor-parallel rank, else none)",
-        choices=["gguf", "none"],
+        "the bytes per step); int8 / int4 quantize any model's projections when it loads "
+        "(CPU), and its LM head to int8; none runs the weights as loaded (default: gguf for "
+        "GGUF files on CPU with one tensor-parallel rank, else none)",
+        choices=["gguf", "int8", "int4", "none"],
+    )
+    quantization_group_size: int | None = option(
+        None,
+        "weights per scale for int8 / int4 (a multiple of 32 dividing the layers' input "
+        "sizes; default: int8 one scale per output channel, int4 groups of 32)",
     )
     cpu_threads: int | None = option(
         None,
@@ -236,12 +242,18 @@ class EngineArgs:
             raise ValueError(
                 f"invalid reasoning_parser {self.reasoning_parser!r}: expected one of {expected}"
             )
-        if self.quantization not in (None, "gguf", "none"):
+        if self.quantization not in (None, "gguf", "int8", "int4", "none"):
             raise ValueError(
-                f"invalid quantization {self.quantization!r}: expected one of gguf, none"
+                f"invalid quantization {self.quantization!r}: expected one of gguf, int8, "
+                "int4, none"
             )
-        if self.quantization == "gguf" and self.tp_size > 1:
-            raise ValueError("quantization gguf does not shard over tensor-parallel ranks yet")
+        if self.quantization not in (None, "none") and self.tp_size > 1:
+            raise ValueError(
+                f"quantization {self.quantization} does not shard over tensor-parallel ranks yet"
+            )
+        group = self.quantization_group_size
+        if group is not None and (group < 32 or group % 32):
+            raise ValueError(f"quantization_group_size must be a multiple of 32, got {group}")
         if self.load_balance_method not in LOAD_BALANCE_METHODS:
             expected = ", ".join(LOAD_BALANCE_METHODS)
             raise ValueError(

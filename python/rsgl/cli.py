@@ -16,6 +16,7 @@ BENCHMARKS: dict[str, str] = {
     "collectives": "rsgl.bench.collectives",
     "grammar": "rsgl.bench.grammar",
     "simulate": "rsgl.bench.simulate",
+    "quality": "rsgl.bench.quality",
 }
 
 

@@ -119,6 +119,7 @@ def build_stack(args: EngineArgs) -> ModelStack:
         load_format=args.load_format,
         seed=args.seed,
         quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
     )
     context_length = args.context_length or loaded.config.max_position_embeddings
     tokenizer = load_tokenizer(args.tokenizer_path or loaded.model_dir)

@@ -14,8 +14,8 @@ from gguf import GGMLQuantizationType, quants
 
 from rsgl.args import EngineArgs
 from rsgl.layers.cpu_kernels import QUANT_FORMATS, CpuKernels, load_cpu_kernels
-from rsgl.layers.quant_linear import GGUFLinear
-from rsgl.models.gguf_weights import Blocks, hf_name, read_blocks
+from rsgl.layers.quant_linear import GGUFBlocks, GroupQuantized, QuantLinear
+from rsgl.models.gguf_weights import hf_name, read_blocks
 from rsgl.models.loader import embedded_gguf_path, load_model, resolve_quantization
 
 
@@ -97,7 +97,7 @@ def test_a_gguf_linear_uses_its_dense_copy_above_max_rows(kernels: CpuKernels) -
     # A dense copy that differs from the blocks shows which one ran.
     other = torch.nn.Linear(64, 16, bias=False)
     bias = torch.arange(16, dtype=torch.float32)
-    layer = GGUFLinear(blocks, "Q4_0", kernels, dense=other, bias=bias, max_rows=4)
+    layer = QuantLinear(GGUFBlocks(kernels, "Q4_0", blocks), dense=other, bias=bias, max_rows=4)
     x = torch.randn(6, 64, generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
         assert torch.equal(layer(x[:4]), kernels.qlinear(x[:4].contiguous(), blocks, "Q4_0") + bias)
@@ -114,12 +114,12 @@ def test_gguf_names_map_to_the_models_parameters() -> None:
 
 
 @pytest.fixture(scope="module")
-def embedded_blocks() -> dict[str, Blocks]:
-    return read_blocks(embedded_gguf_path())
+def embedded_blocks(kernels: CpuKernels) -> dict[str, GGUFBlocks]:
+    return read_blocks(embedded_gguf_path(), kernels)
 
 
 def test_the_embedded_files_blocks_hold_the_loaded_weights_exactly(
-    kernels: CpuKernels, embedded_blocks: dict[str, Blocks]
+    kernels: CpuKernels, embedded_blocks: dict[str, GGUFBlocks]
 ) -> None:
     # Every projection and the embedding (the tied LM head), every row, bit for bit.
     plain = load_model(None, dtype=torch.float32, pack_weights=False, quantization="none")
@@ -129,9 +129,7 @@ def test_the_embedded_files_blocks_hold_the_loaded_weights_exactly(
 
     def rebuilt(*names: str) -> torch.Tensor:
         parts = [embedded_blocks[n] for n in names]
-        return torch.cat(
-            [kernels.dequant_rows(b.data, b.fmt, torch.arange(b.data.shape[0])) for b in parts]
-        )
+        return torch.cat([b.rows(torch.arange(b.data.shape[0])) for b in parts])
 
     fused = {
         "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -149,7 +147,7 @@ def test_the_embedded_files_blocks_hold_the_loaded_weights_exactly(
 
 
 def test_blocks_that_do_not_hold_the_weights_are_refused(
-    kernels: CpuKernels, embedded_blocks: dict[str, Blocks]
+    kernels: CpuKernels, embedded_blocks: dict[str, GGUFBlocks]
 ) -> None:
     net = load_model(None, dtype=torch.float32, pack_weights=False, quantization="none").model
     swapped = dict(embedded_blocks)
@@ -157,17 +155,19 @@ def test_blocks_that_do_not_hold_the_weights_are_refused(
         "model.layers.1.mlp.down_proj.weight"
     ]
     with pytest.raises(ValueError, match=r"do not hold the loaded \[576, 1536\] weight"):
-        net.use_gguf_blocks(swapped, kernels, max_rows=16)
+        net.use_gguf_blocks(swapped, max_rows=16)
 
 
 def test_the_embedded_model_reads_its_blocks_by_default(kernels: CpuKernels) -> None:
     loaded = load_model(None)
     assert loaded.quantization == "gguf"
     layer = loaded.model.layers[0]
-    assert isinstance(layer.self_attn.qkv_proj, GGUFLinear)
-    assert layer.self_attn.qkv_proj.fmt == "Q4_1"
-    assert loaded.model.gguf_lm_head is not None and loaded.model.gguf_lm_head.fmt == "Q8_0"
-    assert load_model(None, quantization="none").model.gguf_lm_head is None
+    qkv = layer.self_attn.qkv_proj
+    assert isinstance(qkv, QuantLinear) and isinstance(qkv.weight, GGUFBlocks)
+    assert qkv.weight.fmt == "Q4_1"
+    head = loaded.model.low_bit_lm_head
+    assert head is not None and isinstance(head.weight, GGUFBlocks) and head.weight.fmt == "Q8_0"
+    assert load_model(None, quantization="none").model.low_bit_lm_head is None
 
 
 def test_quantization_is_resolved_or_refused_with_the_reason(tmp_path: Path) -> None:
@@ -181,9 +181,73 @@ def test_quantization_is_resolved_or_refused_with_the_reason(tmp_path: Path) -> 
         resolve_quantization("gguf", None, cpu, None, "auto")
     with pytest.raises(ValueError, match="runs on CPU"):
         resolve_quantization("gguf", gguf_file, cuda, None, "auto")
-    with pytest.raises(ValueError, match="expected one of gguf, none"):
+    with pytest.raises(ValueError, match="expected one of gguf, int8, int4, none"):
         resolve_quantization("awq", gguf_file, cpu, None, "auto")
+    assert resolve_quantization("int4", None, cpu, None, "auto") == "int4"
+    with pytest.raises(ValueError, match="quantization int8 runs on CPU"):
+        resolve_quantization("int8", None, cuda, None, "auto")
     with pytest.raises(ValueError, match="tensor-parallel"):
         EngineArgs(quantization="gguf", tp_size=2)
     with pytest.raises(ValueError, match="invalid quantization 'int3'"):
         EngineArgs(quantization="int3")
+    with pytest.raises(ValueError, match="multiple of 32, got 48"):
+        EngineArgs(quantization="int4", quantization_group_size=48)
+
+
+@pytest.mark.parametrize(("bits", "group"), [(8, 32), (8, 256), (4, 32), (4, 128)])
+def test_load_time_quantization_rounds_to_the_nearest_level(
+    kernels: CpuKernels, bits: int, group: int
+) -> None:
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(40, 256, generator=gen)
+    w[3] = 0.0  # a zero group: scale 0 must not divide by zero
+    w[4, :32] = 2.5  # a constant group (with group 32)
+    quant = GroupQuantized.quantize(kernels, w, bits, group)
+    assert quant.shape == (40, 256)
+    assert quant.nbytes == 40 * 256 * bits // 8 + 40 * (256 // group) * 4 * (1 if bits == 8 else 2)
+    rebuilt = quant.rows(torch.arange(40))
+    # Round to nearest: within half a level (plus float32 rounding) of each weight.
+    step = quant.scales.repeat_interleave(group, dim=1)
+    assert ((rebuilt - w).abs() <= step / 2 + 1e-6 * w.abs() + 1e-7).all()
+    assert torch.equal(rebuilt[3], torch.zeros(256))
+    if bits == 4 and group == 32:  # a constant group is its minimum, exactly
+        assert torch.equal(rebuilt[4, :32], w[4, :32])
+    # The kernels multiply by exactly these values (x = identity), one order per row.
+    assert torch.equal(quant.matmul(torch.eye(256)), rebuilt.T.contiguous())
+    x = torch.randn(5, 256, generator=gen)
+    exact = x.double() @ rebuilt.double().T
+    bound = 1e-6 * 256 * (x.double().abs() @ rebuilt.double().abs().T)
+    assert ((quant.matmul(x).double() - exact).abs() <= bound).all()
+    assert torch.equal(quant.matmul(x[2:3].contiguous()), quant.matmul(x)[2:3])
+
+
+def test_groups_that_do_not_divide_a_row_are_refused(kernels: CpuKernels) -> None:
+    with pytest.raises(
+        ValueError, match="group 128 must be a multiple of 32 dividing the input size 576"
+    ):
+        GroupQuantized.quantize(kernels, torch.zeros(8, 576), 4, 128)
+    with pytest.raises(ValueError, match="4 or 8 bits"):
+        GroupQuantized.quantize(kernels, torch.zeros(8, 64), 2, 32)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_quantized_model_computes_with_the_values_it_holds(
+    kernels: CpuKernels, mode: str
+) -> None:
+    # Small batches read the low-bit weights, large ones the dense copy, which was
+    # overwritten with the same values: both give the same logits up to summation order.
+    loaded = load_model(None, dtype=torch.float32, pack_weights=False, quantization=mode)
+    net = loaded.model
+    assert loaded.quantization == mode
+    layer = net.layers[5]
+    proj = layer.mlp.down_proj
+    assert isinstance(proj, QuantLinear) and isinstance(proj.weight, GroupQuantized)
+    assert proj.weight.bits == int(mode[3:])
+    assert proj.weight.group == (1536 if mode == "int8" else 32)
+    assert proj.dense is not None
+    dense = proj.dense.weight
+    assert torch.equal(proj.weight.rows(torch.arange(576)), dense)
+    head = net.low_bit_lm_head
+    assert head is not None and isinstance(head.weight, GroupQuantized) and head.weight.bits == 8
+    x = torch.randn(3, 1536, generator=torch.Generator().manual_seed(10))
+    torch.testing.assert_close(proj(x), x @ dense.T, rtol=1e-5, atol=1e-4)

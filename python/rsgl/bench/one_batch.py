@@ -33,7 +33,7 @@ import torch
 from rsgl._core import Plan
 from rsgl.args import KV_CACHE_DTYPES, LOAD_FORMATS
 from rsgl.layers.linear import PackedLinear
-from rsgl.layers.quant_linear import GGUFLinear
+from rsgl.layers.quant_linear import QuantLinear
 from rsgl.model_executor.executor import CudaStreamExecutor
 from rsgl.model_executor.kv_cache import KVCache
 from rsgl.model_executor.model_runner import ModelRunner
@@ -124,9 +124,9 @@ def matmul_roofline_step_s(
 
 def _matrix_bytes(module: torch.nn.Module, rows: int) -> int:
     """Weight bytes `module` (a projection as the model holds it) reads for `rows` rows."""
-    if isinstance(module, GGUFLinear):
+    if isinstance(module, QuantLinear):
         if module.dense is None or rows <= module.max_rows:
-            return int(module.blocks.numel())
+            return module.weight.nbytes
         return _matrix_bytes(module.dense, rows)
     if isinstance(module, PackedLinear):
         return module.in_features * module.out_features * int(module.packed.element_size())
@@ -143,7 +143,7 @@ def weight_bytes_per_step(model: LlamaForCausalLM, rows: int) -> int:
             total += _matrix_bytes(proj, rows)
         total += _matrix_bytes(layer.mlp.gate_up_proj, rows)
         total += _matrix_bytes(layer.mlp.down_proj, rows)
-    head = model.gguf_lm_head
+    head = model.low_bit_lm_head
     if head is not None and rows <= head.max_rows:
         return total + _matrix_bytes(head, rows)
     weight = model.model.embed_tokens.weight
@@ -212,6 +212,7 @@ def run(args: argparse.Namespace) -> dict[str, object] | list[dict[str, object]]
         kv_cache_dtype=args.kv_cache_dtype,
         load_format=args.load_format,
         quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
         cuda_graph_max_bs=args.cuda_graph_max_bs or batch,
         disable_cuda_graph=args.disable_cuda_graph,
     )
@@ -403,10 +404,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--quantization",
         default=None,
-        choices=["gguf", "none"],
-        help="weights: gguf (the file's own blocks) or none (dequantized); default: gguf "
-        "for GGUF files on CPU",
+        choices=["gguf", "int8", "int4", "none"],
+        help="weights: gguf (the file's own blocks), int8 / int4 (quantized at load) or "
+        "none (as loaded); default: gguf for GGUF files on CPU",
     )
+    parser.add_argument("--quantization-group-size", type=int, default=None)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     parser.add_argument("--seed", type=int, default=0)

@@ -1,27 +1,49 @@
-/* Projections over GGUF's own weight blocks: y[M, N] = x[M, K] . W[N, K]^T, where each row
-   of W is K / 32 blocks of one of llama.cpp's formats, read as the file stores them.
+/* Projections over low-bit weights: y[M, N] = x[M, K] . W[N, K]^T, each row of W held as
+   K / 32 blocks of 32 weights, read as they are stored.
 
+   GGUF's own blocks (`--quantization gguf`), as llama.cpp writes them:
      Q4_0  18 bytes: fp16 d, 16 bytes of nibbles            w = d * (q - 8)
      Q4_1  20 bytes: fp16 d, fp16 m, 16 bytes of nibbles    w = d * q + m
      Q8_0  34 bytes: fp16 d, 32 int8                        w = d * q
+   Weights quantized when a model loads (`--quantization int4 / int8`): the same nibble or
+   int8 blocks without headers, and a float32 scale (int4: and minimum) per group of G
+   weights of a row, in arrays of their own (G a multiple of 32; G = K is per channel):
+     I4    16 bytes of nibbles                              w = s * q + m
+     I8    32 int8                                          w = s * q
 
    Nibble byte j holds element j (low half) and element j + 16 (high half). Each weight is
    rebuilt in float32 exactly as gguf's dequantize (and so transformers' loader) computes
-   it: d * q has at most 19 significant bits, so it is exact in float32 and the one rounding
-   is the + m (one fused multiply-add rounds once too). The model therefore multiplies by
-   the same numbers as the dequantized float32 model, reading 4.5-8.5 bits per weight
-   instead of 32; only the summation order differs.
+   it: d * q has at most 19 significant bits, so it is exact in float32, and the one
+   rounding is the + m (a fused multiply-add rounds once too; Q4_0's d * (q - 8) is the
+   exact d * q - 8d). The model therefore multiplies by the same numbers as the dequantized
+   float32 model, reading 4.5-8.5 bits per weight instead of 32; only the summation order
+   differs.
 
    Every row of x is reduced in one fixed order whatever M is (32 lanes over the blocks,
    then a fixed tree), so a request's logits do not depend on the batch it ran in.
 
-   rsgl_qlinear_<format>_<act>: x and y float32 (f32) or bfloat16 (bf16: x widened to float32
-   once, y rounded once, as a bfloat16 linear with float32 accumulation rounds). */
+   x and y are float32 (_f32) or bfloat16 (_bf16: x widened to float32 once, y rounded
+   once, as a bfloat16 linear with float32 accumulation rounds). */
 #include <string.h>
 
 #include "common.h"
 
 #define QK 32
+
+/* ggml's type numbers for GGUF's formats; the load-time formats after them. */
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, I4 = 100, I8 = 101 };
+
+/* A weight matrix: `w` holds N rows of `row_bytes`; the load-time formats add a scale (and
+   a minimum) per group of `group` weights, `groups` per row. */
+typedef struct {
+    int fmt;
+    const uint8_t* w;
+    int64_t row_bytes;
+    const float* scales;
+    const float* mins;
+    int64_t group;
+    int64_t groups;
+} QMat;
 
 /* fp16 -> float32 without F16C: normals, subnormals, zeros, infinities and NaN. */
 static inline float f16_to_f32(uint16_t h) {
@@ -50,54 +72,99 @@ static inline uint16_t load_u16(const uint8_t* p) {
     return v;
 }
 
-/* The 32 weights of one block, as floats (the portable path; the AVX2 path builds the same
-   values in registers). */
-static inline void dequant_block(int fmt, const uint8_t* b, float* w) {
-    const float d = f16_to_f32(load_u16(b));
-    if (fmt == 8) { /* Q8_0 */
-        const int8_t* q = (const int8_t*)(b + 2);
-        for (int i = 0; i < QK; i++) w[i] = d * (float)q[i];
-        return;
-    }
-    const float m = fmt == 3 ? f16_to_f32(load_u16(b + 2)) : 0.f;
-    const uint8_t* q = b + (fmt == 3 ? 4 : 2);
-    const int off = fmt == 2 ? 8 : 0;
-    for (int i = 0; i < QK / 2; i++) {
-        w[i] = d * (float)((q[i] & 15) - off) + m;
-        w[i + 16] = d * (float)((q[i] >> 4) - off) + m;
+static inline int64_t block_bytes(int fmt) {
+    switch (fmt) {
+        case Q4_0: return 18;
+        case Q4_1: return 20;
+        case Q8_0: return 34;
+        case I4: return 16;
+        default: return 32; /* I8 */
     }
 }
 
-static inline int64_t block_bytes(int fmt) { return fmt == 2 ? 18 : fmt == 3 ? 20 : 34; }
+/* Block k of row n: its quants, scale d and offset m (w = d * q + m; int8 formats: m = 0). */
+typedef struct {
+    const uint8_t* q;
+    float d, m;
+} Block;
+
+static inline Block block_at(const QMat* a, int64_t n, int64_t k) {
+    const uint8_t* b = a->w + n * a->row_bytes + k * block_bytes(a->fmt);
+    Block out;
+    switch (a->fmt) {
+        case Q4_0:
+            out.d = f16_to_f32(load_u16(b));
+            out.m = -8.f * out.d;
+            out.q = b + 2;
+            break;
+        case Q4_1:
+            out.d = f16_to_f32(load_u16(b));
+            out.m = f16_to_f32(load_u16(b + 2));
+            out.q = b + 4;
+            break;
+        case Q8_0:
+            out.d = f16_to_f32(load_u16(b));
+            out.m = 0.f;
+            out.q = b + 2;
+            break;
+        default: { /* I4, I8 */
+            const int64_t g = n * a->groups + k * QK / a->group;
+            out.d = a->scales[g];
+            out.m = a->mins ? a->mins[g] : 0.f;
+            out.q = b;
+        }
+    }
+    return out;
+}
+
+/* d * q + m rounded as the AVX2 path rounds it: once, where the CPU fuses multiply-adds
+   (the load-time int4 scales make d * q inexact, so the two roundings would differ). */
+static inline float mul_add(float d, float q, float m) {
+#if defined(__FMA__)
+    return __builtin_fmaf(d, q, m);
+#else
+    return d * q + m;
+#endif
+}
+
+static inline int int8_quants(int fmt) { return fmt == Q8_0 || fmt == I8; }
+
+/* One block's 32 weights as floats (the portable path; the AVX2 path builds the same values
+   in registers). */
+static inline void dequant_block(int fmt, Block b, float* w) {
+    if (int8_quants(fmt)) {
+        const int8_t* q = (const int8_t*)b.q;
+        for (int i = 0; i < QK; i++) w[i] = b.d * (float)q[i];
+        return;
+    }
+    for (int i = 0; i < QK / 2; i++) {
+        w[i] = mul_add(b.d, (float)(b.q[i] & 15), b.m);
+        w[i + 16] = mul_add(b.d, (float)(b.q[i] >> 4), b.m);
+    }
+}
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 /* One block's 32 weights in four registers: elements 0-7, 8-15, 16-23, 24-31. */
-static inline void dequant_block8(int fmt, const uint8_t* b, __m256* w) {
-    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)(load_u16(b) | (uint32_t)load_u16(b + 2) << 16)));
-    const __m256 d = _mm256_broadcastss_ps(dm);
-    if (fmt == 8) {
-        const __m128i q0 = _mm_loadu_si128((const __m128i*)(b + 2));
-        const __m128i q1 = _mm_loadu_si128((const __m128i*)(b + 18));
+static inline void dequant_block8(int fmt, Block b, __m256* w) {
+    const __m256 d = _mm256_set1_ps(b.d);
+    if (int8_quants(fmt)) {
+        const __m128i q0 = _mm_loadu_si128((const __m128i*)b.q);
+        const __m128i q1 = _mm_loadu_si128((const __m128i*)(b.q + 16));
         w[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)));
         w[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8))));
         w[2] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)));
         w[3] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8))));
         return;
     }
-    const __m128i q = _mm_loadu_si128((const __m128i*)(b + (fmt == 3 ? 4 : 2)));
+    const __m128i q = _mm_loadu_si128((const __m128i*)b.q);
     const __m128i nib = _mm_set1_epi8(15);
     const __m128i lo = _mm_and_si128(q, nib);
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), nib);
-    __m256i n[4] = {_mm256_cvtepu8_epi32(lo), _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)),
-                    _mm256_cvtepu8_epi32(hi), _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))};
-    if (fmt == 3) {
-        const __m256 m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
-        for (int i = 0; i < 4; i++) w[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(n[i]), d, m);
-    } else {
-        const __m256i eight = _mm256_set1_epi32(8);
-        for (int i = 0; i < 4; i++)
-            w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(n[i], eight)));
-    }
+    const __m256 m = _mm256_set1_ps(b.m);
+    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d, m);
+    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d, m);
+    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d, m);
+    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d, m);
 }
 
 static inline float hsum8(__m256 a, __m256 b, __m256 c, __m256 d) {
@@ -108,15 +175,14 @@ static inline float hsum8(__m256 a, __m256 b, __m256 c, __m256 d) {
     return _mm_cvtss_f32(h);
 }
 
-/* Rows r0 and (when two) r0 + 1 of y, output column n. */
-static inline void dot_rows(int fmt, const uint8_t* wrow, int64_t nb, const float* x0,
+/* Rows x0 and (when not NULL) x1 of x times weight row n. */
+static inline void dot_rows(const QMat* a, int64_t n, int64_t nb, const float* x0,
                             const float* x1, float* y0, float* y1) {
-    const int64_t bs = block_bytes(fmt);
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
     for (int64_t k = 0; k < nb; k++) {
         __m256 w[4];
-        dequant_block8(fmt, wrow + k * bs, w);
+        dequant_block8(a->fmt, block_at(a, n, k), w);
         const float* p = x0 + k * QK;
         a0 = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(p), a0);
         a1 = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(p + 8), a1);
@@ -142,75 +208,109 @@ static inline float hsum32(const float* acc) {
     return (h[0] + h[2]) + (h[1] + h[3]);
 }
 
-static inline void dot_rows(int fmt, const uint8_t* wrow, int64_t nb, const float* x0,
+static inline void dot_rows(const QMat* a, int64_t n, int64_t nb, const float* x0,
                             const float* x1, float* y0, float* y1) {
-    const int64_t bs = block_bytes(fmt);
-    float a[QK] = {0}, b[QK] = {0}, w[QK];
+    float acc0[QK] = {0}, acc1[QK] = {0}, w[QK];
     for (int64_t k = 0; k < nb; k++) {
-        dequant_block(fmt, wrow + k * bs, w);
+        dequant_block(a->fmt, block_at(a, n, k), w);
         const float* p = x0 + k * QK;
-        for (int i = 0; i < QK; i++) a[i] += w[i] * p[i];
+        for (int i = 0; i < QK; i++) acc0[i] += w[i] * p[i];
         if (x1) {
             const float* r = x1 + k * QK;
-            for (int i = 0; i < QK; i++) b[i] += w[i] * r[i];
+            for (int i = 0; i < QK; i++) acc1[i] += w[i] * r[i];
         }
     }
-    *y0 = hsum32(a);
-    if (x1) *y1 = hsum32(b);
+    *y0 = hsum32(acc0);
+    if (x1) *y1 = hsum32(acc1);
 }
 #endif
 
 /* y[M, N] = x[M, K] . W^T over float32 rows; K a multiple of 32. Columns of y are split over
-   threads; each thread walks its weight rows once per pair of x rows. */
-static void qlinear_f32(int fmt, const float* x, int64_t M, int64_t K, const uint8_t* w,
-                        int64_t N, float* y, int threads) {
-    const int64_t nb = K / QK, row_bytes = nb * block_bytes(fmt);
+   threads; each thread walks its weight rows once per pair of x rows (a weight row stays in
+   L1 between pairs, so memory sees each block once per call). */
+static void qlinear_f32(const QMat* a, const float* x, int64_t M, int64_t K, int64_t N,
+                        float* y, int threads) {
+    const int64_t nb = K / QK;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N * M * K >= 65536)
     for (int64_t n = 0; n < N; n++) {
-        const uint8_t* wrow = w + n * row_bytes;
         for (int64_t r = 0; r < M; r += 2) {
             const int two = r + 1 < M;
-            dot_rows(fmt, wrow, nb, x + r * K, two ? x + (r + 1) * K : NULL, y + r * N + n,
+            dot_rows(a, n, nb, x + r * K, two ? x + (r + 1) * K : NULL, y + r * N + n,
                      two ? y + (r + 1) * N + n : NULL);
         }
     }
 }
 
-static void qlinear_bf16(int fmt, const uint16_t* x, int64_t M, int64_t K, const uint8_t* w,
-                         int64_t N, uint16_t* y, int threads) {
+static void qlinear_bf16(const QMat* a, const uint16_t* x, int64_t M, int64_t K, int64_t N,
+                         uint16_t* y, int threads) {
     float* xf = (float*)malloc((size_t)(M * K + M * N) * sizeof(float));
     if (!xf) abort();
     float* yf = xf + M * K;
     widen_bf16(x, xf, M * K);
-    qlinear_f32(fmt, xf, M, K, w, N, yf, threads);
+    qlinear_f32(a, xf, M, K, N, yf, threads);
     for (int64_t i = 0; i < M * N; i++) bf16_store(y, i, yf[i]);
     free(xf);
 }
 
-/* Rows `ids` of W as floats into out[len(ids), K]: an embedding lookup in the blocks. */
-static void dequant_rows(int fmt, const uint8_t* w, int64_t K, const int64_t* ids, int64_t n,
-                         float* out) {
-    const int64_t nb = K / QK, bs = block_bytes(fmt);
+/* Rows `ids` of W as floats into out[n, K]: an embedding lookup, or a check of the blocks. */
+static void dequant_rows(const QMat* a, int64_t K, const int64_t* ids, int64_t n, float* out) {
     for (int64_t i = 0; i < n; i++)
-        for (int64_t k = 0; k < nb; k++)
-            dequant_block(fmt, w + ids[i] * nb * bs + k * bs, out + i * K + k * QK);
+        for (int64_t k = 0; k < K / QK; k++)
+            dequant_block(a->fmt, block_at(a, ids[i], k), out + i * K + k * QK);
 }
 
-#define QLINEAR(name, fmt)                                                                   \
+static QMat gguf_mat(int fmt, const uint8_t* w, int64_t K) {
+    const QMat a = {fmt, w, K / QK * block_bytes(fmt), NULL, NULL, K, 1};
+    return a;
+}
+
+#define GGUF_FORMAT(name, fmt)                                                               \
     void rsgl_qlinear_##name##_f32(const float* x, int64_t M, int64_t K, const uint8_t* w,   \
                                    int64_t N, float* y, int threads) {                       \
-        qlinear_f32(fmt, x, M, K, w, N, y, threads);                                         \
+        const QMat a = gguf_mat(fmt, w, K);                                                  \
+        qlinear_f32(&a, x, M, K, N, y, threads);                                             \
     }                                                                                        \
     void rsgl_qlinear_##name##_bf16(const uint16_t* x, int64_t M, int64_t K,                 \
                                     const uint8_t* w, int64_t N, uint16_t* y, int threads) { \
-        qlinear_bf16(fmt, x, M, K, w, N, y, threads);                                        \
+        const QMat a = gguf_mat(fmt, w, K);                                                  \
+        qlinear_bf16(&a, x, M, K, N, y, threads);                                            \
     }                                                                                        \
     void rsgl_dequant_rows_##name(const uint8_t* w, int64_t K, const int64_t* ids, int64_t n, \
                                   float* out) {                                              \
-        dequant_rows(fmt, w, K, ids, n, out);                                                \
+        const QMat a = gguf_mat(fmt, w, K);                                                  \
+        dequant_rows(&a, K, ids, n, out);                                                    \
     }
 
-/* ggml's type numbers: Q4_0 = 2, Q4_1 = 3, Q8_0 = 8. */
-QLINEAR(q4_0, 2)
-QLINEAR(q4_1, 3)
-QLINEAR(q8_0, 8)
+GGUF_FORMAT(q4_0, Q4_0)
+GGUF_FORMAT(q4_1, Q4_1)
+GGUF_FORMAT(q8_0, Q8_0)
+
+/* The load-time formats: `bits` 4 (I4, with mins) or 8 (I8, mins NULL); `group` weights per
+   scale. */
+static QMat group_mat(int bits, const uint8_t* w, const float* scales, const float* mins,
+                      int64_t K, int64_t group) {
+    const int fmt = bits == 4 ? I4 : I8;
+    const QMat a = {fmt, w, K / QK * block_bytes(fmt), scales, mins, group, K / group};
+    return a;
+}
+
+void rsgl_qlinear_group_f32(int bits, const float* x, int64_t M, int64_t K, const uint8_t* w,
+                            const float* scales, const float* mins, int64_t group, int64_t N,
+                            float* y, int threads) {
+    const QMat a = group_mat(bits, w, scales, mins, K, group);
+    qlinear_f32(&a, x, M, K, N, y, threads);
+}
+
+void rsgl_qlinear_group_bf16(int bits, const uint16_t* x, int64_t M, int64_t K,
+                             const uint8_t* w, const float* scales, const float* mins,
+                             int64_t group, int64_t N, uint16_t* y, int threads) {
+    const QMat a = group_mat(bits, w, scales, mins, K, group);
+    qlinear_bf16(&a, x, M, K, N, y, threads);
+}
+
+void rsgl_dequant_rows_group(int bits, const uint8_t* w, const float* scales, const float* mins,
+                             int64_t K, int64_t group, const int64_t* ids, int64_t n,
+                             float* out) {
+    const QMat a = group_mat(bits, w, scales, mins, K, group);
+    dequant_rows(&a, K, ids, n, out);
+}

@@ -132,6 +132,26 @@ def _check_blocks(blocks: torch.Tensor, fmt: str, k: int | None) -> tuple[int, i
     return blocks.shape[0], cols
 
 
+def _check_groups(
+    q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group: int
+) -> tuple[int, int, int]:
+    """(bits, rows, K) of a load-time quantized matrix; ValueError unless its parts agree."""
+    if q.dtype != torch.uint8 or q.dim() != 2 or not q.is_contiguous() or q.device.type != "cpu":
+        raise ValueError("quantized weights must be a contiguous uint8 [rows, bytes] CPU tensor")
+    bits = 8 if mins is None else 4
+    rows, k = q.shape[0], q.shape[1] * 8 // bits
+    if group <= 0 or group % QUANT_BLOCK or k % group:
+        raise ValueError(f"group {group} must be a multiple of {QUANT_BLOCK} dividing K = {k}")
+    for t in (scales, mins):
+        if t is None:
+            continue
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError("scales and mins must be contiguous float32 CPU tensors")
+        if t.shape != (rows, k // group):
+            raise ValueError(f"scales and mins must be [{rows}, {k // group}], not {list(t.shape)}")
+    return bits, rows, k
+
+
 class CpuKernels:
     """ctypes handles on the compiled kernels; every method writes into `out`."""
 
@@ -181,6 +201,14 @@ class CpuKernels:
                 self._qlinear[fmt, act] = qlinear
             self._dequant_rows[fmt] = getattr(lib, f"rsgl_dequant_rows_{name}")
             self._dequant_rows[fmt].argtypes = [ptr, i64, ptr, i64, ptr]
+        # Weights quantized at load time: one entry per activation dtype, the bits an argument.
+        self._qlinear_group: dict[torch.dtype, Any] = {}
+        for act, suffix in _ACT_SUFFIXES.items():
+            group = getattr(lib, f"rsgl_qlinear_group_{suffix}")
+            group.argtypes = [i32, ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i32]
+            self._qlinear_group[act] = group
+        self._dequant_rows_group = lib.rsgl_dequant_rows_group
+        self._dequant_rows_group.argtypes = [i32, ptr, ptr, ptr, i64, i64, ptr, i64, ptr]
         self._bitmask = lib.rsgl_apply_token_bitmask_f32
         self._bitmask.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, i32]
         isa = lib.rsgl_kernel_isa
@@ -196,6 +224,8 @@ class CpuKernels:
             *self._argmax.values(),
             *self._qlinear.values(),
             *self._dequant_rows.values(),
+            *self._qlinear_group.values(),
+            self._dequant_rows_group,
             self._bitmask,
         ):
             fn.restype = None
@@ -391,6 +421,65 @@ class CpuKernels:
             raise ValueError(f"dequant_rows: ids must be in [0, {rows})")
         out = torch.empty((len(ids), k), dtype=torch.float32)
         self._dequant_rows[fmt](blocks.data_ptr(), k, ids.data_ptr(), len(ids), out.data_ptr())
+        return out
+
+    def qlinear_group(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor | None,
+        group: int,
+    ) -> torch.Tensor:
+        """x [M, K] (float32 or bfloat16) times W^T for W quantized at load time
+        (`rsgl.layers.quant_linear.GroupQuantized`): q uint8 [N, K] (int8 bytes) or [N, K / 2]
+        (nibbles, with `mins`), float32 scales (and mins) [N, K / group]. Returns [M, N]."""
+        act = _check(x)
+        bits, rows, k = _check_groups(q, scales, mins, group)
+        if x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"qlinear_group: x must be [M, {k}]")
+        out = torch.empty((x.shape[0], rows), dtype=x.dtype)
+        if x.shape[0]:
+            self._qlinear_group[act](
+                bits,
+                x.data_ptr(),
+                x.shape[0],
+                k,
+                q.data_ptr(),
+                scales.data_ptr(),
+                None if mins is None else mins.data_ptr(),
+                group,
+                rows,
+                out.data_ptr(),
+                torch.get_num_threads(),
+            )
+        return out
+
+    def dequant_rows_group(
+        self,
+        q: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor | None,
+        group: int,
+        ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """Rows `ids` of a load-time quantized matrix (see `qlinear_group`) as float32."""
+        _check_index(ids, torch.int64)
+        bits, rows, k = _check_groups(q, scales, mins, group)
+        if len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < rows:
+            raise ValueError(f"dequant_rows_group: ids must be in [0, {rows})")
+        out = torch.empty((len(ids), k), dtype=torch.float32)
+        self._dequant_rows_group(
+            bits,
+            q.data_ptr(),
+            scales.data_ptr(),
+            None if mins is None else mins.data_ptr(),
+            k,
+            group,
+            ids.data_ptr(),
+            len(ids),
+            out.data_ptr(),
+        )
         return out
 
     def apply_token_bitmask(

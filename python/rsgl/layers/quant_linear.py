@@ -1,69 +1,154 @@
-"""Projections that read a GGUF file's own weight blocks (`--quantization gguf`).
+"""Projections over low-bit weights: a GGUF file's own blocks (`--quantization gguf`) or
+weights quantized when a model loads (`--quantization int8 / int4`).
 
 A batch-1 decode step is bound by the bytes of weight it reads: SmolLM2's projections and
-LM head are 538 MB in float32 but 96 MB as the GGUF stores them (Q4_1 and Q8_0 blocks).
-`GGUFLinear` keeps a projection in its blocks and multiplies float32 (or bfloat16)
-activations by them with rsgl's C kernels (`csrc/quant.c`), which rebuild each weight
-exactly as the dequantized float32 model holds it: the same numbers, a different summation
-order, so greedy tokens match the float32 model's.
+LM head are 538 MB in float32 but 96 MB as its GGUF stores them (Q4_1 and Q8_0 blocks).
+`QuantLinear` keeps a projection in low-bit form and multiplies float32 (or bfloat16)
+activations by it with rsgl's C kernels (`csrc/quant.c`), which rebuild each weight in
+float32 exactly as the dequantized model holds it: the same numbers, a different summation
+order. For a GGUF file that is the file's own model, so greedy tokens match the dequantized
+float32 model's; int8 / int4 change the weights (measured by `rsgl bench quality`).
 
 Decode batches are bound by memory traffic; large ones (prefill chunks, mixed steps) by
-arithmetic, where oneDNN's float32 (or bfloat16) GEMM over a dequantized copy is faster
-than rebuilding weights per row pair. A projection therefore keeps both: the blocks for up
-to `max_rows` rows, the dense copy above.
+arithmetic, where oneDNN's GEMM over a dense copy of the same (dequantized) values is
+faster than rebuilding weights per row pair. A projection therefore keeps both: the
+low-bit form for up to `max_rows` rows, the dense copy above.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from rsgl.layers.cpu_kernels import QUANT_FORMATS, CpuKernels
+from rsgl.layers.cpu_kernels import QUANT_BLOCK, QUANT_FORMATS, CpuKernels
 
-# Rows of x up to which the blocks are read rather than the dense copy.
+# Rows of x up to which the low-bit weights are read rather than the dense copy.
 DEFAULT_MAX_ROWS = 16
 
 
-class GGUFLinear(nn.Module):
-    """`y = x @ W.T (+ bias)` with W held as GGUF blocks (uint8 [out, in / 32 * block bytes]
-    of `fmt`), and optionally as a dense module used for batches of more than `max_rows`."""
+@dataclass(frozen=True, slots=True)
+class GGUFBlocks:
+    """A weight matrix as GGUF blocks: uint8 [rows, K / 32 * block bytes] of `fmt`."""
 
-    blocks: torch.Tensor
+    kernels: CpuKernels
+    fmt: str
+    data: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.data.shape[0], self.data.shape[1] // QUANT_FORMATS[self.fmt][1] * QUANT_BLOCK
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.numel())
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.qlinear(x, self.data, self.fmt)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.kernels.dequant_rows(self.data, self.fmt, ids)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupQuantized:
+    """A weight matrix quantized at load time: `bits` 8 (w = s * q, q int8) or 4 (w = s * q +
+    m, q in 0..15, two per byte in GGUF's nibble order within each 32), a float32 scale (and
+    for 4 bits a minimum) per `group` weights of a row ([rows, K / group])."""
+
+    kernels: CpuKernels
+    bits: int
+    group: int
+    q: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+
+    @classmethod
+    def quantize(
+        cls, kernels: CpuKernels, weight: torch.Tensor, bits: int, group: int
+    ) -> GroupQuantized:
+        """Round-to-nearest quantization of `weight` ([rows, K] float) in groups of `group`
+        (a multiple of 32 dividing K; K itself: one scale per output channel): symmetric
+        int8 (scale = max |w| / 127), asymmetric int4 (scale = (max - min) / 15, min)."""
+        rows, k = weight.shape
+        if bits not in (4, 8):
+            raise ValueError(f"weights quantize to 4 or 8 bits, not {bits}")
+        if group % QUANT_BLOCK or k % group:
+            raise ValueError(
+                f"quantization group {group} must be a multiple of {QUANT_BLOCK} dividing the "
+                f"input size {k}"
+            )
+        w = weight.detach().float().reshape(rows, k // group, group)
+        if bits == 8:
+            scales = w.abs().amax(-1) / 127
+            safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+            q = (w / safe[..., None]).round().clamp(-127, 127).to(torch.int8)
+            packed = q.reshape(rows, k).view(torch.uint8)
+            return cls(kernels, 8, group, packed.contiguous(), scales.contiguous(), None)
+        lo, hi = w.amin(-1), w.amax(-1)
+        scales = (hi - lo) / 15
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        q = ((w - lo[..., None]) / safe[..., None]).round().clamp(0, 15).to(torch.uint8)
+        # Each 32 values: byte j holds value j (low nibble) and value j + 16 (high nibble).
+        q = q.reshape(rows, k // QUANT_BLOCK, 2, QUANT_BLOCK // 2)
+        packed = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(rows, k // 2)
+        return cls(kernels, 4, group, packed.contiguous(), scales.contiguous(), lo.contiguous())
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape[0], self.q.shape[1] * 8 // self.bits
+
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.mins is None else self.mins.numel() * 4
+        return int(self.q.numel() + self.scales.numel() * 4 + extra)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.qlinear_group(x, self.q, self.scales, self.mins, self.group)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.kernels.dequant_rows_group(self.q, self.scales, self.mins, self.group, ids)
+
+
+LowBitWeight = GGUFBlocks | GroupQuantized
+
+
+class QuantLinear(nn.Module):
+    """`y = x @ W.T (+ bias)` with W held in low-bit form (`weight`), and optionally as a
+    dense module of the same values, used for batches of more than `max_rows` rows."""
+
     bias: torch.Tensor | None
 
     def __init__(
         self,
-        blocks: torch.Tensor,
-        fmt: str,
-        kernels: CpuKernels,
+        weight: LowBitWeight,
         dense: nn.Module | None = None,
         bias: torch.Tensor | None = None,
         max_rows: int = DEFAULT_MAX_ROWS,
     ) -> None:
         super().__init__()
-        if fmt not in QUANT_FORMATS:
-            raise ValueError(f"GGUF format {fmt!r}: rsgl reads {', '.join(QUANT_FORMATS)}")
-        self.fmt = fmt
-        self.kernels = kernels
+        self.weight = weight
         self.dense = dense
         self.max_rows = max_rows
-        self.register_buffer("blocks", blocks.contiguous(), persistent=False)
         self.register_buffer("bias", bias, persistent=False)
-        self.out_features = blocks.shape[0]
-        self.in_features = blocks.shape[1] // QUANT_FORMATS[fmt][1] * 32
+        self.out_features, self.in_features = weight.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and x.shape[0] > self.max_rows:
             out: torch.Tensor = self.dense(x)
             return out
-        y = self.kernels.qlinear(x.contiguous(), self.blocks, self.fmt)
+        y = self.weight.matmul(x.contiguous())
         return y if self.bias is None else y.add_(self.bias)
 
     def extra_repr(self) -> str:
+        w = self.weight
+        kind = w.fmt if isinstance(w, GGUFBlocks) else f"int{w.bits}, group {w.group}"
+        dense_above = self.max_rows if self.dense is not None else None
         return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"fmt={self.fmt}, dense_above={self.max_rows if self.dense is not None else None}"
+            f"in_features={self.in_features}, out_features={self.out_features}, {kind}, "
+            f"dense_above={dense_above}"
         )
 
 
-__all__ = ["DEFAULT_MAX_ROWS", "GGUFLinear"]
+__all__ = ["DEFAULT_MAX_ROWS", "GGUFBlocks", "GroupQuantized", "LowBitWeight", "QuantLinear"]

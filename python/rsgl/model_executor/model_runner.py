@@ -8,6 +8,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rsgl._core import Plan
@@ -201,6 +202,7 @@ class ModelRunner:
         cuda_graph_max_bs: int = 160,
         disable_cuda_graph: bool = False,
         quantization: str | None = None,
+        quantization_group_size: int | None = None,
     ) -> ModelRunner:
         """Load `model` (None: the embedded SmolLM2) and allocate its cache."""
         loaded = load_model(
@@ -211,6 +213,7 @@ class ModelRunner:
             load_format=load_format,
             seed=seed,
             quantization=quantization,
+            quantization_group_size=quantization_group_size,
         )
         return cls(
             loaded,
@@ -339,6 +342,30 @@ class ModelRunner:
             return self._record(batch, SampleOutput(ids), batch.batch_size, None)
         logits = self.model(input_ids, batch, self.attn)
         return self._sample(batch, logits, batch.batch_size, return_logits, vocab_mask)
+
+    @torch.inference_mode()
+    def teacher_forced_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """The logits of every position of `token_ids` ([T, vocab] float32: row t predicts
+        token t + 1), from one prefill in request slot 0 over KV slots 1..T (which the
+        caller must not be using). For quality measurements, not for serving."""
+        n = len(token_ids)
+        if not 0 < n < min(self.kv_cache.size, self.context_len + 1):
+            raise ValueError(f"{n} tokens do not fit the KV cache or the context")
+        slots = np.arange(1, n + 1, dtype=np.int64)
+        self.req_to_token.apply_writes(np.zeros(n, dtype=np.int64), np.arange(n), slots)
+        batch = ForwardBatch.from_arrays(
+            forward_mode=ForwardMode.EXTEND,
+            req_slots=np.zeros(1, dtype=np.int64),
+            prefix_lens=np.zeros(1, dtype=np.int64),
+            extend_lens=np.array([n], dtype=np.int64),
+            input_ids=np.asarray(token_ids, dtype=np.int64),
+            out_cache_loc=slots,
+            device=self.device,
+        )
+        self.attn.prepare(batch)
+        logits = self.model(batch.input_ids, batch, self.attn, all_positions=True)
+        out: torch.Tensor = logits.float()
+        return out
 
     def _sample(
         self,

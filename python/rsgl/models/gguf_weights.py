@@ -10,17 +10,18 @@ checks that sampled rows equal the loaded weights anyway.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from rsgl.layers.cpu_kernels import QUANT_FORMATS
+from rsgl.layers.cpu_kernels import QUANT_FORMATS, CpuKernels
+from rsgl.layers.quant_linear import GGUFBlocks
 
-# Values of `--quantization` (SGLang's option name): gguf reads a GGUF file's blocks; none
-# runs the dequantized model; None (auto) picks gguf for GGUF files where it can run.
-QUANTIZATIONS = ("gguf", "none")
+# Values of `--quantization` (SGLang's option name): gguf reads a GGUF file's blocks; int8
+# and int4 quantize any model's projections when it loads; none runs the weights as loaded;
+# None (auto) picks gguf for GGUF files where it can run.
+QUANTIZATIONS = ("gguf", "int8", "int4", "none")
 
 # GGUF tensor name (after `blk.N.`) -> HF parameter name (after `model.layers.N.`).
 _LAYER_TENSORS = {
@@ -33,18 +34,6 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output": "lm_head"}
-
-
-@dataclass(frozen=True, slots=True)
-class Blocks:
-    """One weight matrix as GGUF blocks: uint8 [rows, K / 32 * block bytes] of `fmt`."""
-
-    fmt: str
-    data: torch.Tensor
-
-    @property
-    def in_features(self) -> int:
-        return self.data.shape[1] // QUANT_FORMATS[self.fmt][1] * 32
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -61,13 +50,13 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def read_blocks(path: Path) -> dict[str, Blocks]:
+def read_blocks(path: Path, kernels: CpuKernels) -> dict[str, GGUFBlocks]:
     """Every projection and embedding tensor of `path` stored in a format the kernels read
     (`QUANT_FORMATS`), by HF name; tensors in other formats are left out (they stay dense)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
-    out: dict[str, Blocks] = {}
+    out: dict[str, GGUFBlocks] = {}
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         fmt = tensor.tensor_type.name
@@ -75,8 +64,8 @@ def read_blocks(path: Path) -> dict[str, Blocks]:
             continue
         rows = int(tensor.shape[-1]) if len(tensor.shape) > 1 else 1
         data = np.array(tensor.data, dtype=np.uint8, copy=True).reshape(rows, -1)
-        out[name] = Blocks(fmt, torch.from_numpy(data))
+        out[name] = GGUFBlocks(kernels, fmt, torch.from_numpy(data))
     return out
 
 
-__all__ = ["QUANTIZATIONS", "Blocks", "hf_name", "read_blocks"]
+__all__ = ["QUANTIZATIONS", "hf_name", "read_blocks"]

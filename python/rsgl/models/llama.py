@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,10 +14,9 @@ from rsgl.layers.cpu_kernels import ACT_DTYPES, CpuKernels, load_cpu_kernels
 from rsgl.layers.linear import PackedLinear, can_pack, pack_linears
 from rsgl.layers.norm import RMSNorm
 from rsgl.layers.parallel import RowParallelLinear, VocabParallelEmbedding
-from rsgl.layers.quant_linear import GGUFLinear
+from rsgl.layers.quant_linear import GGUFBlocks, GroupQuantized, LowBitWeight, QuantLinear
 from rsgl.layers.rotary import RotaryEmbedding, apply_rotary, interleave_rotary_pairs
 from rsgl.models.config import ModelConfig
-from rsgl.models.gguf_weights import Blocks
 
 if TYPE_CHECKING:
     from rsgl.distributed.group import TPRank
@@ -37,6 +36,12 @@ _FUSED_SHARDS: dict[str, tuple[str, int]] = {
 # trip through memory, freshly page-faulted every layer (SmolLM2 prefill of 6,400 tokens
 # on 2 cores: float32 5.06 -> 4.33 s, bfloat16 1.42 -> 1.33 s).
 MLP_CPU_CHUNK = 512
+
+# Fused parameter -> the checkpoint projections it is made of, in order.
+_PARTS: dict[str, tuple[str, ...]] = {
+    fused: tuple(hf for hf, (f, _) in _FUSED_SHARDS.items() if f == fused)
+    for fused, _ in _FUSED_SHARDS.values()
+}
 
 # Tensors whose rows are permuted so rotary pairs are adjacent (see rsgl.layers.rotary).
 _PAIR_INTERLEAVED = (".q_proj.", ".k_proj.", ".q_norm.", ".k_norm.")
@@ -241,8 +246,9 @@ class LlamaForCausalLM(nn.Module):
         # Set by pack_cpu_weights: the LM head in oneDNN's layout. It replaces an untied head;
         # a tied one is also the embedding, whose plain copy stays for lookups.
         self.packed_lm_head: PackedLinear | None = None
-        # Set by use_gguf_blocks: the LM head in the GGUF file's blocks, for small batches.
-        self.gguf_lm_head: GGUFLinear | None = None
+        # Set by use_gguf_blocks / quantize_weights: the LM head in low-bit form, read by
+        # small batches.
+        self.low_bit_lm_head: QuantLinear | None = None
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope)
 
     @property
@@ -260,7 +266,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:
         """[B, hidden] final-normed states -> [B, vocab] logits. Under tensor parallelism
         without `gather`: this rank's vocabulary slice only ([B, len(tp.shard.vocab)])."""
-        head = self.gguf_lm_head
+        head = self.low_bit_lm_head
         if head is not None and hidden.shape[0] <= head.max_rows:
             logits: torch.Tensor = head(hidden)
         elif self.packed_lm_head is not None:
@@ -291,48 +297,81 @@ class LlamaForCausalLM(nn.Module):
         self.packed_lm_head = PackedLinear(self.lm_head_weight(), None)
         self.lm_head = None
 
+    def _projections(self) -> Iterator[tuple[nn.Module, str, str]]:
+        """(owner, attribute, HF name prefix) of every dense projection, fused ones by
+        their fused name (`model.layers.3.self_attn.qkv_proj`)."""
+        for i, layer in enumerate(self.layers):
+            for owner, attr, path in (
+                (layer.self_attn, "qkv_proj", "self_attn.qkv_proj"),
+                (layer.self_attn, "o_proj", "self_attn.o_proj"),
+                (layer.mlp, "gate_up_proj", "mlp.gate_up_proj"),
+                (layer.mlp, "down_proj", "mlp.down_proj"),
+            ):
+                if isinstance(getattr(owner, attr), nn.Linear):
+                    yield owner, attr, f"model.layers.{i}.{path}"
+
+    def _check_low_bit(self) -> None:
+        if self.tp is not None or self.packed_lm_head is not None:
+            raise ValueError("low-bit weights need an unsharded model that is not packed yet")
+
     @torch.no_grad()
-    def use_gguf_blocks(
-        self, blocks: Mapping[str, Blocks], kernels: CpuKernels, max_rows: int
-    ) -> int:
+    def use_gguf_blocks(self, blocks: Mapping[str, GGUFBlocks], max_rows: int) -> int:
         """Serve the projections and the LM head from a GGUF file's own blocks (HF names ->
-        `Blocks`, `rsgl.models.gguf_weights.read_blocks`) for batches of up to `max_rows`
-        rows; the dense weights stay for larger ones. A fused projection needs all of its
-        parts in one format; matrices whose blocks are missing stay dense. Call after
-        `load_weights` and before `pack_cpu_weights`. Returns how many matrices read blocks.
+        `GGUFBlocks`, `rsgl.models.gguf_weights.read_blocks`) for batches of up to
+        `max_rows` rows; the dense weights (the same numbers) stay for larger ones. A fused
+        projection needs all of its parts in one format; matrices whose blocks are missing
+        stay dense. Call after `load_weights` and before `pack_cpu_weights`. Returns how
+        many matrices read blocks.
 
         The blocks must hold the loaded weights exactly: three rows of each are rebuilt and
         compared, and a mismatch (another row order, another file) is a ValueError."""
-        if self.tp is not None or self.packed_lm_head is not None:
-            raise ValueError("GGUF blocks need an unsharded model that is not packed yet")
-        fused = {
-            "qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-            "o_proj": ("self_attn.o_proj",),
-            "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-            "down_proj": ("mlp.down_proj",),
-        }
+        self._check_low_bit()
         count = 0
-        for i, layer in enumerate(self.layers):
-            for attr, parts in fused.items():
-                owner = layer.self_attn if hasattr(layer.self_attn, attr) else layer.mlp
-                found = [blocks.get(f"model.layers.{i}.{part}.weight") for part in parts]
-                present = [b for b in found if b is not None]
-                if len(present) < len(parts) or len({b.fmt for b in present}) != 1:
-                    continue
-                dense = getattr(owner, attr)
-                assert isinstance(dense, nn.Linear)
-                data = torch.cat([b.data for b in present])
-                _check_blocks_match(dense.weight, data, present[0].fmt, kernels)
-                quant = GGUFLinear(data, present[0].fmt, kernels, dense, dense.bias, max_rows)
-                setattr(owner, attr, quant)
-                count += 1
+        for owner, attr, name in self._projections():
+            base, fused = name.rsplit(".", 1)
+            parts = [f"{base}.{hf}.weight" for hf in _PARTS.get(fused, (fused,))]
+            found = [blocks[p] for p in parts if p in blocks]
+            if len(found) < len(parts) or len({b.fmt for b in found}) != 1:
+                continue
+            dense = getattr(owner, attr)
+            data = torch.cat([b.data for b in found])
+            weight = GGUFBlocks(found[0].kernels, found[0].fmt, data)
+            _check_same_values(dense.weight, weight, exact=True)
+            setattr(owner, attr, QuantLinear(weight, dense, dense.bias, max_rows))
+            count += 1
         tied = self.config.tie_word_embeddings
         head = blocks.get("model.embed_tokens.weight" if tied else "lm_head.weight")
         if head is not None:
-            _check_blocks_match(self.lm_head_weight(), head.data, head.fmt, kernels)
-            self.gguf_lm_head = GGUFLinear(head.data, head.fmt, kernels, max_rows=max_rows)
+            _check_same_values(self.lm_head_weight(), head, exact=True)
+            self.low_bit_lm_head = QuantLinear(head, max_rows=max_rows)
             count += 1
         return count
+
+    @torch.no_grad()
+    def quantize_weights(
+        self, kernels: CpuKernels, bits: int, group: int | None, max_rows: int
+    ) -> int:
+        """Quantize every projection to `bits` (8: symmetric int8, 4: asymmetric int4) in
+        groups of `group` input weights (None: int8 per output channel, int4 groups of 32),
+        and the LM head to int8 per channel; the dense weights are overwritten with the
+        quantized values (the tied embedding too), so batches above `max_rows` rows, which
+        use them, compute with the same numbers. Returns how many matrices."""
+        self._check_low_bit()
+        count = 0
+        for owner, attr, _ in self._projections():
+            dense = getattr(owner, attr)
+            k = dense.weight.shape[1]
+            weight = GroupQuantized.quantize(
+                kernels, dense.weight, bits, group or (k if bits == 8 else 32)
+            )
+            _adopt_values(dense.weight, weight)
+            setattr(owner, attr, QuantLinear(weight, dense, dense.bias, max_rows))
+            count += 1
+        head_weight = self.lm_head_weight()
+        head = GroupQuantized.quantize(kernels, head_weight, 8, head_weight.shape[1])
+        _adopt_values(head_weight, head)
+        self.low_bit_lm_head = QuantLinear(head, max_rows=max_rows)
+        return count + 1
 
     def forward(
         self,
@@ -340,16 +379,18 @@ class LlamaForCausalLM(nn.Module):
         batch: ForwardBatch,
         attn: AttentionBackend,
         gather_logits: bool = True,
+        all_positions: bool = False,
     ) -> torch.Tensor:
         """input_ids: [T] (placeholders already resolved) -> logits [B, vocab] (see
-        `compute_logits` for `gather_logits`)."""
+        `compute_logits` for `gather_logits`); with `all_positions`, [T, vocab]: every
+        position's (teacher-forced evaluation)."""
         hidden = self.model.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         cis = self.rotary.cis(batch.positions)
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cis, batch, attn)
         # Only the last position of each request feeds the LM head.
-        last = batch.last_token_index
+        last = slice(None) if all_positions else batch.last_token_index
         assert residual is not None
         normed, _ = self.model.norm.add_forward(hidden[last], residual[last])
         return self.compute_logits(normed, gather_logits)
@@ -423,15 +464,20 @@ class LlamaForCausalLM(nn.Module):
         return tensor
 
 
-def _check_blocks_match(
-    weight: torch.Tensor, data: torch.Tensor, fmt: str, kernels: CpuKernels
-) -> None:
-    rows = weight.shape[0]
+def _check_same_values(dense: torch.Tensor, weight: LowBitWeight, exact: bool) -> None:
+    """ValueError unless three rows of `weight` rebuild those of `dense` (in its dtype)."""
+    rows = dense.shape[0]
     ids = torch.tensor(sorted({0, rows // 2 + 1, rows - 1} & set(range(rows))), dtype=torch.int64)
-    if data.shape[0] != rows or not torch.equal(
-        kernels.dequant_rows(data, fmt, ids).to(weight.dtype), weight.detach()[ids].cpu()
+    if weight.shape != tuple(dense.shape) or not torch.equal(
+        weight.rows(ids).to(dense.dtype), dense.detach()[ids].cpu()
     ):
+        kind = "GGUF blocks" if exact else "quantized weights"
         raise ValueError(
-            f"the GGUF {fmt} blocks ({data.shape[0]} rows) do not hold the loaded "
-            f"[{rows}, {weight.shape[1]}] weight"
+            f"the {kind} {list(weight.shape)} do not hold the loaded {list(dense.shape)} weight"
         )
+
+
+def _adopt_values(dense: torch.Tensor, weight: LowBitWeight) -> None:
+    """Overwrite `dense` with the values `weight` holds (what its kernels multiply by)."""
+    rows = torch.arange(dense.shape[0], dtype=torch.int64)
+    dense.copy_(weight.rows(rows).to(dense.dtype))

@@ -175,6 +175,7 @@ def load_model(
     seed: int = 0,
     tp: TPRank | None = None,
     quantization: str | None = None,
+    quantization_group_size: int | None = None,
 ) -> LoadedModel:
     """Load a model directory, a GGUF file, or (None) the embedded SmolLM2 default.
 
@@ -191,9 +192,11 @@ def load_model(
     slice of the tp_size=1 dummy model.
 
     `quantization` (SGLang's `--quantization`): "gguf" serves the projections and the LM
-    head of a GGUF file from the file's own blocks (`rsgl.layers.quant_linear`), "none" the
-    dequantized weights; None picks gguf for a GGUF file wherever it can run (CPU, one rank,
-    the C kernels built), else none.
+    head of a GGUF file from the file's own blocks (`rsgl.layers.quant_linear`); "int8" /
+    "int4" quantize any model's projections as it loads (groups of
+    `quantization_group_size` weights; default int8 per channel, int4 groups of 32) and its
+    LM head to int8; "none" runs the weights as loaded (a GGUF file dequantized); None picks
+    gguf for a GGUF file wherever it can run (CPU, one rank, the C kernels built), else none.
     """
     if pack_weights is None:
         pack_weights = os.environ.get("RSGL_ONEDNN", "1") != "0"
@@ -217,12 +220,16 @@ def load_model(
     net.eval()
     source = gguf_source(model)
     chosen = resolve_quantization(quantization, source, device, tp, load_format)
+    kernels = load_cpu_kernels() if chosen != "none" else None
     if chosen == "gguf":
-        assert source is not None
-        kernels = load_cpu_kernels()
-        assert kernels is not None
-        count = net.use_gguf_blocks(read_blocks(source), kernels, DEFAULT_MAX_ROWS)
+        assert source is not None and kernels is not None
+        count = net.use_gguf_blocks(read_blocks(source, kernels), DEFAULT_MAX_ROWS)
         logger.info("%d weight matrices read %s's own blocks", count, source.name)
+    elif chosen in ("int8", "int4"):
+        assert kernels is not None
+        bits = int(chosen.removeprefix("int"))
+        count = net.quantize_weights(kernels, bits, quantization_group_size, DEFAULT_MAX_ROWS)
+        logger.info("%d weight matrices quantized to %s", count, chosen)
     if pack_weights:
         net.pack_cpu_weights()
     return LoadedModel(net, config, model_dir, dtype, device, chosen, tp)
@@ -245,15 +252,15 @@ def resolve_quantization(
     load_format: str,
 ) -> str:
     """`quantization` checked against what the model and machine allow, None resolved
-    (gguf where it can run, else none); ValueError naming the obstacle to an explicit gguf."""
+    (gguf where it can run, else none); ValueError naming the obstacle to an explicit one."""
     if quantization not in (None, *QUANTIZATIONS):
         raise ValueError(
             f"quantization {quantization!r}: expected one of {', '.join(QUANTIZATIONS)}"
         )
     if quantization == "none":
         return "none"
-    obstacle = None
-    if source is None or load_format != "auto":
+    wanted = quantization or "gguf"
+    if wanted == "gguf" and (source is None or load_format != "auto"):
         obstacle = "needs a .gguf model loaded with load_format auto"
     elif device.type != "cpu":
         obstacle = f"runs on CPU (its kernels are C), not {device.type}"
@@ -261,10 +268,10 @@ def resolve_quantization(
         obstacle = "does not shard over tensor-parallel ranks yet"
     elif load_cpu_kernels() is None:
         obstacle = "needs rsgl's C kernels, which did not build (see the warning above)"
-    if obstacle is None:
-        return "gguf"
-    if quantization == "gguf":
-        raise ValueError(f"quantization gguf {obstacle}")
+    else:
+        return wanted
+    if quantization is not None:
+        raise ValueError(f"quantization {quantization} {obstacle}")
     return "none"
 
 

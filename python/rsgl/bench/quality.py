@@ -1,0 +1,120 @@
+"""`rsgl bench quality`: what low-bit weights cost in accuracy, teacher-forced on a fixed text.
+
+The reference is the model as loaded, in float32 (`--quantization none`); each mode named
+by `--modes` loads the same model quantized that way. Both read the same shipped text
+(`quality_text.txt`, ~1,000 tokens of plain English prose written for this benchmark), and
+at every position the two next-token distributions are compared (the metrics of
+llama.cpp's perplexity tool, PR #7412):
+
+- `kld_mean` / `kld_p99`: KL divergence of the mode's distribution from the reference's;
+- `top1_agreement`: the share of positions where both rank the same token first;
+- `ppl` and `delta_ppl`: the mode's perplexity on the text and its difference from the
+  reference's.
+
+    rsgl bench quality --modes gguf,int8,int4 [--model DIR_OR_GGUF] [--max-tokens 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rsgl.model_executor.model_runner import ModelRunner
+from rsgl.models.loader import load_tokenizer
+
+TEXT = Path(__file__).with_name("quality_text.txt")
+
+
+@dataclass(frozen=True, slots=True)
+class Quality:
+    """One mode's distance from the reference over `tokens` predicted positions."""
+
+    mode: str
+    tokens: int
+    kld_mean: float
+    kld_p99: float
+    top1_agreement: float
+    ppl: float
+    ref_ppl: float
+    delta_ppl: float
+
+
+def text_tokens(runner: ModelRunner, max_tokens: int) -> list[int]:
+    """The shipped text in `runner`'s model's tokens (at most `max_tokens`)."""
+    tokenizer = load_tokenizer(runner.loaded.model_dir)
+    ids: list[int] = tokenizer(TEXT.read_text(encoding="utf-8"))["input_ids"]
+    return ids[:max_tokens]
+
+
+def load(model: str | None, quantization: str, group: int | None, tokens: int) -> ModelRunner:
+    return ModelRunner.from_pretrained(
+        model,
+        kv_buffer_size=tokens + 2,
+        max_running_requests=1,
+        context_len=tokens + 1,
+        dtype=torch.float32,
+        quantization=quantization,
+        quantization_group_size=group,
+    )
+
+
+def compare(mode: str, ref: torch.Tensor, got: torch.Tensor, targets: torch.Tensor) -> Quality:
+    """Quality of logits `got` against `ref` ([T, vocab], row t predicting targets[t])."""
+    ref_logp = torch.log_softmax(ref.double(), dim=-1)
+    got_logp = torch.log_softmax(got.double(), dim=-1)
+    kld = (ref_logp.exp() * (ref_logp - got_logp)).sum(-1)
+    agree = (ref.argmax(-1) == got.argmax(-1)).double().mean()
+    ref_nll = -ref_logp.gather(1, targets[:, None]).mean()
+    got_nll = -got_logp.gather(1, targets[:, None]).mean()
+    ppl, ref_ppl = math.exp(float(got_nll)), math.exp(float(ref_nll))
+    return Quality(
+        mode=mode,
+        tokens=int(targets.numel()),
+        kld_mean=float(kld.mean()),
+        kld_p99=float(torch.quantile(kld, 0.99)),
+        top1_agreement=float(agree),
+        ppl=ppl,
+        ref_ppl=ref_ppl,
+        delta_ppl=ppl - ref_ppl,
+    )
+
+
+def measure(
+    model: str | None, modes: list[str], group: int | None = None, max_tokens: int = 1024
+) -> list[Quality]:
+    """Each mode against the float32 model as loaded, on the shipped text."""
+    reference = load(model, "none", None, max_tokens)
+    ids = text_tokens(reference, max_tokens)
+    ref_logits = reference.teacher_forced_logits(ids)[:-1]
+    reference.close()
+    targets = torch.tensor(ids[1:], dtype=torch.int64)
+    results = []
+    for mode in modes:
+        runner = load(model, mode, group, max_tokens)
+        if runner.loaded.quantization != mode:
+            raise ValueError(f"{mode} resolved to {runner.loaded.quantization}")
+        results.append(compare(mode, ref_logits, runner.teacher_forced_logits(ids)[:-1], targets))
+        runner.close()
+    return results
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="rsgl bench quality", description=__doc__)
+    parser.add_argument("--model", default=None, help="model dir or .gguf (default: SmolLM2)")
+    parser.add_argument("--modes", default="gguf,int8,int4", help="comma-separated")
+    parser.add_argument("--quantization-group-size", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=1024)
+    args = parser.parse_args(argv)
+    results = measure(
+        args.model, args.modes.split(","), args.quantization_group_size, args.max_tokens
+    )
+    for result in results:
+        row: dict[str, Any] = asdict(result)
+        print(json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in row.items()}))
+    return 0
