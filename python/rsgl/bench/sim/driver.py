@@ -237,10 +237,14 @@ class Simulation:
         if b.end >= horizon:
             max_steps = 1
         else:
-            grow = b.batch_size * np.arange(1, RUN_STEPS + 1)
-            costs = self.cost.decode_seconds(
-                np.full(RUN_STEPS, b.batch_size), b.context_tokens + grow
-            )
+            # Steps only get dearer as the context grows: the first bounds how many fit.
+            batch, context = b.batch_size, b.context_tokens
+            cheapest = self.cost.decode_seconds(np.array([batch]), np.array([context + batch]))
+            n = RUN_STEPS
+            if horizon < math.inf:
+                n = min(n, int((horizon - b.end) / max(float(cheapest[0]), 1e-9)) + 1)
+            grow = batch * np.arange(1, n + 1)
+            costs = self.cost.decode_seconds(np.full(n, batch), context + grow)
             max_steps = 2 + int(np.searchsorted(b.end + np.cumsum(costs), horizon))
         run = rep.core.decode_run(max_steps, SAMPLED_TOKEN)
         committed, per_step, rids, finished, plan_ids, batches, contexts, other = run
@@ -258,11 +262,16 @@ class Simulation:
         for step, f in finished:
             self._finished(f, float(times[step]))
         now = float(times[-1])
-        flying = [a, b] + [
-            _Launched(int(i), int(n), 0, int(c), float(e))
-            for i, n, c, e in zip(plan_ids, batches, contexts, ends[2:], strict=True)
+        # In flight now: what is left of [a, b, the run's plans] after `committed` commits
+        # (one or two of them; only those become objects).
+        flying = [
+            (a, b)[j]
+            if j < 2
+            else _Launched(
+                int(plan_ids[j - 2]), int(batches[j - 2]), 0, int(contexts[j - 2]), float(ends[j])
+            )
+            for j in range(committed, 2 + len(plan_ids))
         ]
-        flying = flying[committed:]
         rep.launched = flying[0] if flying else None
         rep.nxt = flying[1] if len(flying) > 1 else None
         rep.committing = False
