@@ -84,7 +84,7 @@ class EngineArgs:
         "blocks (Q4_0, Q4_1, Q8_0; the same numbers as the dequantized model, a fraction of "
         "the bytes per step); int8 / int4 quantize any model's projections when it loads "
         "(CPU), and its LM head to int8; none runs the weights as loaded (default: gguf for "
-        "GGUF files on CPU with one tensor-parallel rank, else none)",
+        "GGUF files on CPU, else none)",
         choices=["gguf", "int8", "int4", "none"],
     )
     quantization_group_size: int | None = option(
@@ -246,10 +246,6 @@ class EngineArgs:
             raise ValueError(
                 f"invalid quantization {self.quantization!r}: expected one of gguf, int8, "
                 "int4, none"
-            )
-        if self.quantization not in (None, "none") and self.tp_size > 1:
-            raise ValueError(
-                f"quantization {self.quantization} does not shard over tensor-parallel ranks yet"
             )
         group = self.quantization_group_size
         if group is not None and (group < 32 or group % 32):

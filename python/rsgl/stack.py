@@ -177,6 +177,8 @@ def _tp_stack(
         args.seed,
         args.context_length,
         cpu_threads,
+        args.quantization,
+        args.quantization_group_size,
     )
     followers = start_followers(args, device, load)
     try:
@@ -188,6 +190,8 @@ def _tp_stack(
             load_format=args.load_format,
             seed=args.seed,
             tp=TPRank(shards[0], followers.group),
+            quantization=args.quantization,
+            quantization_group_size=args.quantization_group_size,
         )
         context_length = args.context_length or config.max_position_embeddings
         tokenizer = load_tokenizer(args.tokenizer_path or model_dir)

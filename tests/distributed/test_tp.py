@@ -240,6 +240,9 @@ def test_constrained_tokens_match_tp1(
 def test_server_info_reports_each_ranks_slice(tp2: tuple[rsgl.Engine, torch.Tensor]) -> None:
     info = tp2[0].get_server_info()
     assert info["tp_size"] == 2
+    # Each rank serves its slice of the GGUF file's own blocks (the greedy and logits tests
+    # above compare them with TP=1's, which reads the whole file's).
+    assert info["quantization"] == "gguf"
     assert [(s["q_heads"], s["kv_heads"]) for s in info["tp_shards"]] == [
         ([0, 6], [0, 2]),
         ([6, 9], [2, 3]),

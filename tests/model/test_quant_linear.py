@@ -173,21 +173,19 @@ def test_the_embedded_model_reads_its_blocks_by_default(kernels: CpuKernels) -> 
 def test_quantization_is_resolved_or_refused_with_the_reason(tmp_path: Path) -> None:
     gguf_file = embedded_gguf_path()
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_quantization(None, gguf_file, cpu, None, "auto") == "gguf"
-    assert resolve_quantization(None, None, cpu, None, "auto") == "none"
-    assert resolve_quantization(None, gguf_file, cuda, None, "auto") == "none"
-    assert resolve_quantization("none", gguf_file, cpu, None, "auto") == "none"
+    assert resolve_quantization(None, gguf_file, cpu, "auto") == "gguf"
+    assert resolve_quantization(None, None, cpu, "auto") == "none"
+    assert resolve_quantization(None, gguf_file, cuda, "auto") == "none"
+    assert resolve_quantization("none", gguf_file, cpu, "auto") == "none"
     with pytest.raises(ValueError, match="needs a .gguf model"):
-        resolve_quantization("gguf", None, cpu, None, "auto")
+        resolve_quantization("gguf", None, cpu, "auto")
     with pytest.raises(ValueError, match="runs on CPU"):
-        resolve_quantization("gguf", gguf_file, cuda, None, "auto")
+        resolve_quantization("gguf", gguf_file, cuda, "auto")
     with pytest.raises(ValueError, match="expected one of gguf, int8, int4, none"):
-        resolve_quantization("awq", gguf_file, cpu, None, "auto")
-    assert resolve_quantization("int4", None, cpu, None, "auto") == "int4"
+        resolve_quantization("awq", gguf_file, cpu, "auto")
+    assert resolve_quantization("int4", None, cpu, "auto") == "int4"
     with pytest.raises(ValueError, match="quantization int8 runs on CPU"):
-        resolve_quantization("int8", None, cuda, None, "auto")
-    with pytest.raises(ValueError, match="tensor-parallel"):
-        EngineArgs(quantization="gguf", tp_size=2)
+        resolve_quantization("int8", None, cuda, "auto")
     with pytest.raises(ValueError, match="invalid quantization 'int3'"):
         EngineArgs(quantization="int3")
     with pytest.raises(ValueError, match="multiple of 32, got 48"):

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rsgl.layers.linear import PackedLinear, can_pack
+from rsgl.layers.quant_linear import QuantLinear
 from rsgl.layers.sampler import argmax_rows
 
 if TYPE_CHECKING:
@@ -40,6 +41,9 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.group = group
         self.packed: PackedLinear | None = None
+        # Set when the projection also has low-bit weights (rsgl.layers.quant_linear): read
+        # by batches of up to its max_rows rows, the dense weight by larger ones.
+        self.low_bit: QuantLinear | None = None
 
     def pack(self) -> None:
         """Keep the weight only in oneDNN's layout (float32 / bfloat16 on CPU)."""
@@ -49,7 +53,10 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor
-        if self.packed is not None:
+        low_bit = self.low_bit
+        if low_bit is not None and x.shape[0] <= low_bit.max_rows:
+            out = low_bit(x)
+        elif self.packed is not None:
             out = self.packed(x)
         else:
             assert self.weight is not None

@@ -89,6 +89,8 @@ class LoadSpec(msgspec.Struct, frozen=True):
     seed: int
     max_positions: int | None
     cpu_threads: int
+    quantization: str | None = None
+    quantization_group_size: int | None = None
 
 
 class RunnerSpec(msgspec.Struct, frozen=True):
@@ -406,6 +408,8 @@ def run_follower(launch: FollowerLaunch) -> None:
         load_format=load.load_format,
         seed=load.seed,
         tp=TPRank(shard, group),
+        quantization=load.quantization,
+        quantization_group_size=load.quantization_group_size,
     )
     spec = msgspec.json.decode(store.get(_RUNNER_KEY), type=RunnerSpec)
     runner = ModelRunner(

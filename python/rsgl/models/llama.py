@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rsgl.layers.attention.base import AttentionBackend
-from rsgl.layers.cpu_kernels import ACT_DTYPES, CpuKernels, load_cpu_kernels
+from rsgl.layers.cpu_kernels import ACT_DTYPES, QUANT_BLOCK, CpuKernels, load_cpu_kernels
 from rsgl.layers.linear import PackedLinear, can_pack, pack_linears
 from rsgl.layers.norm import RMSNorm
 from rsgl.layers.parallel import RowParallelLinear, VocabParallelEmbedding
@@ -299,7 +299,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _projections(self) -> Iterator[tuple[nn.Module, str, str]]:
         """(owner, attribute, HF name prefix) of every dense projection, fused ones by
-        their fused name (`model.layers.3.self_attn.qkv_proj`)."""
+        their fused name (`model.layers.3.self_attn.qkv_proj`); row-parallel ones too."""
         for i, layer in enumerate(self.layers):
             for owner, attr, path in (
                 (layer.self_attn, "qkv_proj", "self_attn.qkv_proj"),
@@ -307,12 +307,30 @@ class LlamaForCausalLM(nn.Module):
                 (layer.mlp, "gate_up_proj", "mlp.gate_up_proj"),
                 (layer.mlp, "down_proj", "mlp.down_proj"),
             ):
-                if isinstance(getattr(owner, attr), nn.Linear):
+                if isinstance(getattr(owner, attr), (nn.Linear, RowParallelLinear)):
                     yield owner, attr, f"model.layers.{i}.{path}"
 
     def _check_low_bit(self) -> None:
-        if self.tp is not None or self.packed_lm_head is not None:
-            raise ValueError("low-bit weights need an unsharded model that is not packed yet")
+        if self.packed_lm_head is not None:
+            raise ValueError("low-bit weights are set up before the weights are packed")
+
+    @staticmethod
+    def _install(owner: nn.Module, attr: str, weight: LowBitWeight, max_rows: int) -> None:
+        """Give projection `owner.attr` low-bit weights for batches of up to `max_rows`."""
+        dense = getattr(owner, attr)
+        if isinstance(dense, RowParallelLinear):
+            # The bias is added after the all-reduce, by the row-parallel layer.
+            dense.low_bit = QuantLinear(weight, max_rows=max_rows)
+        else:
+            setattr(owner, attr, QuantLinear(weight, dense, dense.bias, max_rows))
+
+    def _rank_blocks(self, name: str, blocks: GGUFBlocks) -> GGUFBlocks:
+        """This rank's part of checkpoint matrix `name` in GGUF blocks: whole blocks of 32
+        input columns, so a column split must fall on a block boundary."""
+        rows, k = blocks.shape
+        view = blocks.data.view(rows, k // QUANT_BLOCK, -1)
+        part = self._rank_slice(name, view, column_unit=QUANT_BLOCK)
+        return GGUFBlocks(blocks.kernels, blocks.fmt, part.reshape(part.shape[0], -1).contiguous())
 
     @torch.no_grad()
     def use_gguf_blocks(self, blocks: Mapping[str, GGUFBlocks], max_rows: int) -> int:
@@ -330,18 +348,19 @@ class LlamaForCausalLM(nn.Module):
         for owner, attr, name in self._projections():
             base, fused = name.rsplit(".", 1)
             parts = [f"{base}.{hf}.weight" for hf in _PARTS.get(fused, (fused,))]
-            found = [blocks[p] for p in parts if p in blocks]
+            found = [self._rank_blocks(p, blocks[p]) for p in parts if p in blocks]
             if len(found) < len(parts) or len({b.fmt for b in found}) != 1:
                 continue
-            dense = getattr(owner, attr)
             data = torch.cat([b.data for b in found])
             weight = GGUFBlocks(found[0].kernels, found[0].fmt, data)
-            _check_same_values(dense.weight, weight, exact=True)
-            setattr(owner, attr, QuantLinear(weight, dense, dense.bias, max_rows))
+            _check_same_values(getattr(owner, attr).weight, weight, exact=True)
+            self._install(owner, attr, weight, max_rows)
             count += 1
-        tied = self.config.tie_word_embeddings
-        head = blocks.get("model.embed_tokens.weight" if tied else "lm_head.weight")
-        if head is not None:
+        head_name = (
+            "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        )
+        if head_name in blocks:
+            head = self._rank_blocks(head_name, blocks[head_name])
             _check_same_values(self.lm_head_weight(), head, exact=True)
             self.low_bit_lm_head = QuantLinear(head, max_rows=max_rows)
             count += 1
@@ -365,7 +384,7 @@ class LlamaForCausalLM(nn.Module):
                 kernels, dense.weight, bits, group or (k if bits == 8 else 32)
             )
             _adopt_values(dense.weight, weight)
-            setattr(owner, attr, QuantLinear(weight, dense, dense.bias, max_rows))
+            self._install(owner, attr, weight, max_rows)
             count += 1
         head_weight = self.lm_head_weight()
         head = GroupQuantized.quantize(kernels, head_weight, 8, head_weight.shape[1])
@@ -442,23 +461,32 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")
 
-    def _rank_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    def _rank_slice(self, name: str, tensor: torch.Tensor, column_unit: int = 1) -> torch.Tensor:
         """This rank's part of checkpoint tensor `name` (all of it without tensor
         parallelism): rows of column-parallel and vocabulary-split tensors, input columns of
-        row-parallel weights. Norms and row-parallel biases are whole on every rank."""
+        row-parallel weights. Norms and row-parallel biases are whole on every rank.
+        `column_unit`: input columns per index of dim 1 (32 for GGUF blocks)."""
         if self.tp is None:
             return tensor
         shard, dim = self.tp.shard, self.config.head_dim
+
+        def columns(r: range) -> torch.Tensor:
+            if r.start % column_unit or r.stop % column_unit:
+                raise ValueError(
+                    f"{name}: columns {r.start}:{r.stop} split a {column_unit}-wide block"
+                )
+            return tensor[:, r.start // column_unit : r.stop // column_unit]
+
         if ".q_proj." in name:
             return tensor[shard.q_heads.start * dim : shard.q_heads.stop * dim]
         if ".k_proj." in name or ".v_proj." in name:
             return tensor[shard.kv_heads.start * dim : shard.kv_heads.stop * dim]
         if name.endswith(".o_proj.weight"):
-            return tensor[:, shard.q_heads.start * dim : shard.q_heads.stop * dim]
+            return columns(range(shard.q_heads.start * dim, shard.q_heads.stop * dim))
         if ".gate_proj." in name or ".up_proj." in name:
             return tensor[shard.intermediate.start : shard.intermediate.stop]
         if name.endswith(".down_proj.weight"):
-            return tensor[:, shard.intermediate.start : shard.intermediate.stop]
+            return columns(shard.intermediate)
         if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
             return tensor[shard.vocab.start : shard.vocab.stop]
         return tensor

@@ -219,7 +219,7 @@ def load_model(
     net.rotary = type(net.rotary)(config.head_dim, positions, config.rope).to(device)
     net.eval()
     source = gguf_source(model)
-    chosen = resolve_quantization(quantization, source, device, tp, load_format)
+    chosen = resolve_quantization(quantization, source, device, load_format)
     kernels = load_cpu_kernels() if chosen != "none" else None
     if chosen == "gguf":
         assert source is not None and kernels is not None
@@ -248,7 +248,6 @@ def resolve_quantization(
     quantization: str | None,
     source: Path | None,
     device: torch.device,
-    tp: TPRank | None,
     load_format: str,
 ) -> str:
     """`quantization` checked against what the model and machine allow, None resolved
@@ -264,8 +263,6 @@ def resolve_quantization(
         obstacle = "needs a .gguf model loaded with load_format auto"
     elif device.type != "cpu":
         obstacle = f"runs on CPU (its kernels are C), not {device.type}"
-    elif tp is not None:
-        obstacle = "does not shard over tensor-parallel ranks yet"
     elif load_cpu_kernels() is None:
         obstacle = "needs rsgl's C kernels, which did not build (see the warning above)"
     else:
