@@ -127,6 +127,35 @@ static inline float mul_add(float d, float q, float m) {
 #endif
 }
 
+/* Block k of a weight row: GGUF formats read d and m from the block's header; the
+   load-time formats take their group's (gd, gm). With `fmt` a constant (the kernels are
+   instantiated per format) the switch folds away. */
+static inline __attribute__((always_inline)) Block block_in_row(const int fmt, const uint8_t* row,
+                                                                int64_t k, float gd, float gm) {
+    const uint8_t* b = row + k * block_bytes(fmt);
+    Block out = {b, gd, gm};
+    switch (fmt) {
+        case Q4_0:
+            out.d = f16_to_f32(load_u16(b));
+            out.m = -8.f * out.d;
+            out.q = b + 2;
+            break;
+        case Q4_1:
+            out.d = f16_to_f32(load_u16(b));
+            out.m = f16_to_f32(load_u16(b + 2));
+            out.q = b + 4;
+            break;
+        case Q8_0:
+            out.d = f16_to_f32(load_u16(b));
+            out.m = 0.f;
+            out.q = b + 2;
+            break;
+        default:
+            break;
+    }
+    return out;
+}
+
 static inline int int8_quants(int fmt) { return fmt == Q8_0 || fmt == I8; }
 
 /* One block's 32 weights as floats (the portable path; the AVX2 path builds the same values
@@ -176,24 +205,32 @@ static inline float hsum8(__m256 a, __m256 b, __m256 c, __m256 d) {
 }
 
 /* Rows x0 and (when not NULL) x1 of x times weight row n. */
-static inline void dot_rows(const QMat* a, int64_t n, int64_t nb, const float* x0,
-                            const float* x1, float* y0, float* y1) {
+static inline __attribute__((always_inline)) void dot_rows(const int fmt, const QMat* a,
+                                                           int64_t n, int64_t nb,
+                                                           const float* x0, const float* x1,
+                                                           float* y0, float* y1) {
+    const uint8_t* row = a->w + n * a->row_bytes;
+    const int64_t per = fmt == I4 || fmt == I8 ? a->group / QK : 1;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-    for (int64_t k = 0; k < nb; k++) {
-        __m256 w[4];
-        dequant_block8(a->fmt, block_at(a, n, k), w);
-        const float* p = x0 + k * QK;
-        a0 = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(p), a0);
-        a1 = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(p + 8), a1);
-        a2 = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(p + 16), a2);
-        a3 = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(p + 24), a3);
-        if (x1) {
-            const float* r = x1 + k * QK;
-            b0 = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(r), b0);
-            b1 = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(r + 8), b1);
-            b2 = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(r + 16), b2);
-            b3 = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(r + 24), b3);
+    for (int64_t k0 = 0, g = n * a->groups; k0 < nb; k0 += per, g++) {
+        const float gd = per > 1 || fmt >= I4 ? a->scales[g] : 0.f;
+        const float gm = (per > 1 || fmt >= I4) && a->mins ? a->mins[g] : 0.f;
+        for (int64_t k = k0; k < k0 + per; k++) {
+            __m256 w[4];
+            dequant_block8(fmt, block_in_row(fmt, row, k, gd, gm), w);
+            const float* p = x0 + k * QK;
+            a0 = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(p), a0);
+            a1 = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(p + 8), a1);
+            a2 = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(p + 16), a2);
+            a3 = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(p + 24), a3);
+            if (x1) {
+                const float* r = x1 + k * QK;
+                b0 = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(r), b0);
+                b1 = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(r + 8), b1);
+                b2 = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(r + 16), b2);
+                b3 = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(r + 24), b3);
+            }
         }
     }
     *y0 = hsum8(a0, a1, a2, a3);
@@ -208,11 +245,11 @@ static inline float hsum32(const float* acc) {
     return (h[0] + h[2]) + (h[1] + h[3]);
 }
 
-static inline void dot_rows(const QMat* a, int64_t n, int64_t nb, const float* x0,
-                            const float* x1, float* y0, float* y1) {
+static inline void dot_rows(const int fmt, const QMat* a, int64_t n, int64_t nb,
+                            const float* x0, const float* x1, float* y0, float* y1) {
     float acc0[QK] = {0}, acc1[QK] = {0}, w[QK];
     for (int64_t k = 0; k < nb; k++) {
-        dequant_block(a->fmt, block_at(a, n, k), w);
+        dequant_block(fmt, block_at(a, n, k), w);
         const float* p = x0 + k * QK;
         for (int i = 0; i < QK; i++) acc0[i] += w[i] * p[i];
         if (x1) {
@@ -228,15 +265,28 @@ static inline void dot_rows(const QMat* a, int64_t n, int64_t nb, const float* x
 /* y[M, N] = x[M, K] . W^T over float32 rows; K a multiple of 32. Columns of y are split over
    threads; each thread walks its weight rows once per pair of x rows (a weight row stays in
    L1 between pairs, so memory sees each block once per call). */
+static inline __attribute__((always_inline)) void row_pairs(const int fmt, const QMat* a,
+                                                            int64_t n, const float* x,
+                                                            int64_t M, int64_t K, int64_t N,
+                                                            float* y) {
+    for (int64_t r = 0; r < M; r += 2) {
+        const int two = r + 1 < M;
+        dot_rows(fmt, a, n, K / QK, x + r * K, two ? x + (r + 1) * K : NULL, y + r * N + n,
+                 two ? y + (r + 1) * N + n : NULL);
+    }
+}
+
 static void qlinear_f32(const QMat* a, const float* x, int64_t M, int64_t K, int64_t N,
                         float* y, int threads) {
-    const int64_t nb = K / QK;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N * M * K >= 65536)
     for (int64_t n = 0; n < N; n++) {
-        for (int64_t r = 0; r < M; r += 2) {
-            const int two = r + 1 < M;
-            dot_rows(a, n, nb, x + r * K, two ? x + (r + 1) * K : NULL, y + r * N + n,
-                     two ? y + (r + 1) * N + n : NULL);
+        /* One instance per format, so each inner loop knows its block layout. */
+        switch (a->fmt) {
+            case Q4_0: row_pairs(Q4_0, a, n, x, M, K, N, y); break;
+            case Q4_1: row_pairs(Q4_1, a, n, x, M, K, N, y); break;
+            case Q8_0: row_pairs(Q8_0, a, n, x, M, K, N, y); break;
+            case I4: row_pairs(I4, a, n, x, M, K, N, y); break;
+            default: row_pairs(I8, a, n, x, M, K, N, y); break;
         }
     }
 }
