@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 
-from rsgl.bench.serve_process import free_port, start_server
+from rsgl.bench.serve_process import free_port, start_server, wait_healthy
 from rsgl.models.loader import embedded_gguf_path
 
 PROMPT = (
@@ -52,19 +52,7 @@ def start_llama(
     cmd += ["-c", str(ctx), "--no-webui", "--threads-http", str(slots + 2)]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("llama-server did not start")
+    return proc, wait_healthy(proc, f"http://127.0.0.1:{port}", log, "llama-server", 120)
 
 
 async def one_stream(

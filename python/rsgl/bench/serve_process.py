@@ -23,24 +23,37 @@ def start_server(
 ) -> tuple[subprocess.Popen[bytes], str]:
     """`rsgl serve FLAGS` on a free port, once /health answers 200; RuntimeError (with the
     server's log) if it exits or does not come up. `env` adds environment variables."""
-    import httpx
-
     port = free_port()
     cmd = [sys.executable, "-m", "rsgl", "serve", "--port", str(port), *flags]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
         )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    return proc, wait_healthy(proc, f"http://127.0.0.1:{port}", log_path, "rsgl serve")
+
+
+def wait_healthy(
+    proc: subprocess.Popen[bytes],
+    url: str,
+    log_path: Path,
+    name: str,
+    timeout_s: float = STARTUP_TIMEOUT_S,
+) -> str:
+    """`url` once its /health answers 200; RuntimeError with the end of the server's log if
+    the process exits first or `timeout_s` passes (the process is then killed)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"rsgl serve exited ({proc.returncode}):\n{log_path.read_text()}")
+            raise RuntimeError(
+                f"{name} exited ({proc.returncode}):\n{log_path.read_text()[-4000:]}"
+            )
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
+                return url
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
     proc.kill()
-    raise RuntimeError("rsgl serve did not start:\n" + log_path.read_text())
+    raise RuntimeError(f"{name} did not start:\n{log_path.read_text()[-4000:]}")

@@ -88,35 +88,6 @@ typedef struct {
     float d, m;
 } Block;
 
-static inline Block block_at(const QMat* a, int64_t n, int64_t k) {
-    const uint8_t* b = a->w + n * a->row_bytes + k * block_bytes(a->fmt);
-    Block out;
-    switch (a->fmt) {
-        case Q4_0:
-            out.d = f16_to_f32(load_u16(b));
-            out.m = -8.f * out.d;
-            out.q = b + 2;
-            break;
-        case Q4_1:
-            out.d = f16_to_f32(load_u16(b));
-            out.m = f16_to_f32(load_u16(b + 2));
-            out.q = b + 4;
-            break;
-        case Q8_0:
-            out.d = f16_to_f32(load_u16(b));
-            out.m = 0.f;
-            out.q = b + 2;
-            break;
-        default: { /* I4, I8 */
-            const int64_t g = n * a->groups + k * QK / a->group;
-            out.d = a->scales[g];
-            out.m = a->mins ? a->mins[g] : 0.f;
-            out.q = b;
-        }
-    }
-    return out;
-}
-
 /* d * q + m rounded as the AVX2 path rounds it: once, where the CPU fuses multiply-adds
    (the load-time int4 scales make d * q inexact, so the two roundings would differ). */
 static inline float mul_add(float d, float q, float m) {
@@ -154,6 +125,14 @@ static inline __attribute__((always_inline)) Block block_in_row(const int fmt, c
             break;
     }
     return out;
+}
+
+/* Block k of row n of any matrix (the portable path and row lookups). */
+static inline Block block_at(const QMat* a, int64_t n, int64_t k) {
+    const uint8_t* row = a->w + n * a->row_bytes;
+    if (a->fmt != I4 && a->fmt != I8) return block_in_row(a->fmt, row, k, 0.f, 0.f);
+    const int64_t g = n * a->groups + k * QK / a->group;
+    return block_in_row(a->fmt, row, k, a->scales[g], a->mins ? a->mins[g] : 0.f);
 }
 
 static inline int int8_quants(int fmt) { return fmt == Q8_0 || fmt == I8; }
