@@ -275,7 +275,14 @@ def test_a_client_gone_while_its_grammar_compiles_is_aborted_and_nothing_leaks(
             again = dict(slow_body, max_tokens=1)
             r = await client.post("/v1/completions", json=again)
             assert r.status_code == 200, r.text
-            idle = await until(url, lambda s: s["live"] == 0 and s["running"] == 0)
+            # Stats arrive from the scheduler between steps: wait for a snapshot that has
+            # counted the last request (an older one is idle too).
+            idle = await until(
+                url,
+                lambda s: (
+                    s["live"] == 0 and s["running"] == 0 and s["requests"] - before["requests"] >= 3
+                ),
+            )
             # It never reached the scheduler (three requests did: free, quick, again),
             # and nothing is held once idle.
             assert idle["requests"] - before["requests"] == 3, (before, idle)
