@@ -193,8 +193,8 @@ static inline __attribute__((always_inline)) void dot_rows(const int fmt, const 
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
     for (int64_t k0 = 0, g = n * a->groups; k0 < nb; k0 += per, g++) {
-        const float gd = per > 1 || fmt >= I4 ? a->scales[g] : 0.f;
-        const float gm = (per > 1 || fmt >= I4) && a->mins ? a->mins[g] : 0.f;
+        const float gd = fmt >= I4 ? a->scales[g] : 0.f;
+        const float gm = fmt >= I4 && a->mins ? a->mins[g] : 0.f;
         for (int64_t k = k0; k < k0 + per; k++) {
             __m256 w[4];
             dequant_block8(fmt, block_in_row(fmt, row, k, gd, gm), w);

@@ -353,7 +353,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             data = torch.cat([b.data for b in found])
             weight = GGUFBlocks(found[0].kernels, found[0].fmt, data)
-            _check_same_values(getattr(owner, attr).weight, weight, exact=True)
+            _check_same_values(getattr(owner, attr).weight, weight)
             self._install(owner, attr, weight, max_rows)
             count += 1
         head_name = (
@@ -361,7 +361,7 @@ class LlamaForCausalLM(nn.Module):
         )
         if head_name in blocks:
             head = self._rank_blocks(head_name, blocks[head_name])
-            _check_same_values(self.lm_head_weight(), head, exact=True)
+            _check_same_values(self.lm_head_weight(), head)
             self.low_bit_lm_head = QuantLinear(head, max_rows=max_rows)
             count += 1
         return count
@@ -492,16 +492,16 @@ class LlamaForCausalLM(nn.Module):
         return tensor
 
 
-def _check_same_values(dense: torch.Tensor, weight: LowBitWeight, exact: bool) -> None:
+def _check_same_values(dense: torch.Tensor, weight: LowBitWeight) -> None:
     """ValueError unless three rows of `weight` rebuild those of `dense` (in its dtype)."""
     rows = dense.shape[0]
     ids = torch.tensor(sorted({0, rows // 2 + 1, rows - 1} & set(range(rows))), dtype=torch.int64)
     if weight.shape != tuple(dense.shape) or not torch.equal(
         weight.rows(ids).to(dense.dtype), dense.detach()[ids].cpu()
     ):
-        kind = "GGUF blocks" if exact else "quantized weights"
         raise ValueError(
-            f"the {kind} {list(weight.shape)} do not hold the loaded {list(dense.shape)} weight"
+            f"the GGUF blocks {list(weight.shape)} do not hold the loaded "
+            f"{list(dense.shape)} weight"
         )
 
 
