@@ -449,3 +449,66 @@ def test_inconsistent_shapes_raise() -> None:
         )
     with pytest.raises(ValueError, match="draft_lens"):
         _accept(state, torch.zeros(1, VOCAB), [0], [[]], [3, 4])
+
+
+def _toy_model(context: list[int]) -> torch.Tensor:
+    """A deterministic stand-in for a model: logits from the last two tokens."""
+    table = torch.randn(2, VOCAB, VOCAB, generator=torch.Generator().manual_seed(9)) * 2
+    logits = table[0, context[-1]] + table[1, context[-2]]
+    logits[EOS] += 3.0
+    return logits
+
+
+def test_generation_with_any_drafts_equals_generation_without() -> None:
+    """Several steps with record_accepted in between (min_new_tokens and penalty counts
+    carried across steps): random, oracle and empty drafts give the plain tokens."""
+    params = [
+        SamplingParams(temperature=0.0, frequency_penalty=0.3, min_new_tokens=6),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=5, presence_penalty=0.4),
+        SamplingParams(temperature=0.6, top_k=8, seed=6, min_new_tokens=9),
+        SamplingParams(temperature=0.0, repetition_penalty=1.2),
+    ]
+    prompts = [[1, 2, 3], [4, 5], [6, 8, 9, 10], [11, 12]]
+    length = 24
+    slots = np.array([3, 0, 2, 1], dtype=np.int64)
+
+    plain_state = _state()
+    for slot, p, prompt in zip(slots, params, prompts, strict=True):
+        plain_state.admit(int(slot), p, prompt)
+    plain = [list(p) for p in prompts]
+    sampler = Sampler("cpu", seed=0)
+    for _ in range(length):
+        logits = torch.stack([_toy_model(ctx) for ctx in plain])
+        lens = np.array([len(ctx) for ctx in plain], dtype=np.int64)
+        args = (torch.from_numpy(slots), torch.from_numpy(lens), slots, lens)
+        tokens = sampler(logits, plain_state, *args).next_token_ids
+        plain_state.record(args[0], args[1], tokens, slots, lens)
+        for ctx, token in zip(plain, tokens.tolist(), strict=True):
+            ctx.append(token)
+
+    rng = np.random.default_rng(1)
+    state = _state()
+    for slot, p, prompt in zip(slots, params, prompts, strict=True):
+        state.admit(int(slot), p, prompt)
+    spec = [list(p) for p in prompts]
+    steps = 0
+    while min(len(s) - len(p) for s, p in zip(spec, prompts, strict=True)) < length:
+        drafts = []
+        for ctx, want in zip(spec, plain, strict=True):
+            k = int(rng.integers(0, 5))
+            oracle = want[len(ctx) : len(ctx) + k]
+            drafts.append(oracle if rng.random() < 0.5 else rng.integers(0, VOCAB, k).tolist())
+        rows = [
+            _toy_model(ctx + d[:j])
+            for ctx, d in zip(spec, drafts, strict=True)
+            for j in range(len(d) + 1)
+        ]
+        lens = [len(ctx) for ctx in spec]
+        acc = _accept(state, torch.stack(rows), slots.tolist(), drafts, lens, Sampler("cpu", steps))
+        record_accepted(state, slots, acc)
+        for ctx, emitted in zip(spec, _per_request(acc), strict=True):
+            ctx.extend(emitted)
+        steps += 1
+    for s, p, prompt in zip(spec, plain, prompts, strict=True):
+        assert s[: len(prompt) + length] == p
+    assert steps < length, "the oracle drafts must have been accepted"

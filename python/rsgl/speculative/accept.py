@@ -290,7 +290,10 @@ def _candidates(
     greedy_reqs = state.greedy[req_slots]
     if greedy_reqs.all():
         return argmax_rows(logits)
-    candidates = argmax_rows(logits)
+    if greedy_reqs.any():
+        candidates = argmax_rows(logits)
+    else:
+        candidates = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     sampled = np.flatnonzero(~greedy_reqs[layout.row_req])
     # Request i's seed is the rank of i among the sampled requests.
     seed_index = (np.cumsum(~greedy_reqs) - 1)[layout.row_req[sampled]]
