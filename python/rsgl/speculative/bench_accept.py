@@ -11,6 +11,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -26,8 +27,7 @@ MODES = {
 }
 
 
-def _median_ms(fn: object, repeats: int) -> float:
-    assert callable(fn)
+def _median_ms(fn: Callable[[], None], repeats: int) -> float:
     fn()  # warm-up
     times = []
     for _ in range(repeats):
