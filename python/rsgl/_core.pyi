@@ -100,6 +100,9 @@ class Plan:
     prefix_lens: _I64
     extend_lens: _I64
     seq_lens: _I64
+    draft_lens: _I64
+    """Drafts verified per request (0 unless it speculates; then `extend_lens = 1 +
+    draft_lens`, its inputs being its last committed token and the drafts)."""
     sample: npt.NDArray[np.bool_]
     input_ids: _I64
     positions: _I64
@@ -129,12 +132,14 @@ class Plan:
         admitted: _Ints | None = None,
         retracted: _Ints | None = None,
         num_extends: int | None = None,
+        draft_lens: _Ints | None = None,
     ) -> Plan: ...
 
 @final
 class Outcome:
     """What a commit produced: the requests that got a token (`rids`, aligned with
-    `tokens`) and those that finished."""
+    `tokens`; after `commit_spec` a request appears once per committed token, in order) and
+    those that finished."""
 
     rids: _I64
     tokens: _I64
@@ -165,6 +170,9 @@ class Scheduler:
         low_priority_values_first: bool | None = None,
         eos_token_ids: Sequence[int] | None = None,
         seed: int | None = None,
+        spec_num_draft_tokens: int | None = None,
+        spec_ngram_min_window: int | None = None,
+        spec_ngram_max_window: int | None = None,
     ) -> Scheduler: ...
     @property
     def config(self) -> dict[str, Any]:
@@ -185,6 +193,13 @@ class Scheduler:
         """Plans the next step (an "idle" plan when there is nothing to do)."""
     def commit(self, plan_id: int, next_token_ids: Sequence[int] | _I64) -> Outcome:
         """Applies a step's sampled tokens (one per request of the plan, in plan order)."""
+    def commit_spec(
+        self, plan_id: int, tokens: Sequence[int] | _I64, accept_lens: Sequence[int] | _I64
+    ) -> Outcome:
+        """Applies a speculative step: per request in plan order, `accept_lens[i]` tokens
+        (accepted drafts then the bonus token; 1 to `1 + draft_lens[i]`, exactly 1 where
+        `sample` is false) laid out one request after another in `tokens`. Tokens after a
+        finish are dropped; the KV of rejected drafts is given back."""
     def decode_run(
         self, max_steps: int, token: int
     ) -> tuple[int, _I64, _I64, list[tuple[int, Finished]], _I64, _I64, _I64, Plan | None]:

@@ -7,6 +7,7 @@
 
 pub mod budget;
 pub mod detokenize;
+pub mod drafter;
 pub mod policy;
 pub mod pool;
 pub mod radix;
@@ -19,6 +20,7 @@ mod python;
 pub use detokenize::{
     ByteTable, Delta, DetokenizeError, Detokenizer, StopMatch, TextHandle, TextOptions,
 };
+pub use drafter::NgramDrafter;
 pub use policy::Policy;
 pub use pool::{ReqSlotPool, Slot, TokenPool};
 pub use radix::{NodeId, RadixTree, ROOT};

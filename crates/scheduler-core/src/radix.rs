@@ -418,6 +418,28 @@ impl RadixTree {
             .for_each(|n| f(&n.value));
     }
 
+    /// Every root-to-leaf path as its whole key and values (walks the tree; for tests).
+    pub fn paths(&self) -> Vec<(Vec<u32>, Vec<Slot>)> {
+        let mut out = Vec::new();
+        let mut stack = vec![(ROOT, Vec::new(), Vec::new())];
+        while let Some((id, mut key, mut value)) = stack.pop() {
+            let node = &self.nodes[id as usize];
+            key.extend_from_slice(&node.key);
+            value.extend_from_slice(&node.value);
+            let children = self.children(id);
+            if children.is_empty() {
+                if !key.is_empty() {
+                    out.push((key, value));
+                }
+                continue;
+            }
+            for child in children {
+                stack.push((child, key.clone(), value.clone()));
+            }
+        }
+        out
+    }
+
     /// Verifies the tree's structure and accounting; describes the first violation found.
     pub fn check(&self) -> Result<(), String> {
         let p = self.page_size;

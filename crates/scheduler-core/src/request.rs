@@ -3,6 +3,7 @@
 use std::borrow::Cow;
 use std::ops::Range;
 
+use crate::drafter::NgramDrafter;
 use crate::pool::Slot;
 use crate::radix::{NodeId, ROOT};
 
@@ -105,6 +106,13 @@ pub struct Request {
     /// Whether the request's KV may still go into the prefix tree. Cleared when a step that
     /// included it failed: that step may have written part of its KV, or none.
     pub cacheable: bool,
+    /// N-gram index over the committed tokens (built on the first speculative decode).
+    pub drafter: Option<NgramDrafter>,
+    /// Drafts proposed for the step being planned; empty outside `schedule`.
+    pub draft: Vec<u32>,
+    /// Draft tokens of the in-flight speculative step (0: none). Such a request is not
+    /// planned again before that step commits: its next position depends on the acceptance.
+    pub drafts_in_flight: usize,
 }
 
 impl Request {
@@ -128,6 +136,9 @@ impl Request {
             cached_tokens: 0,
             computed_len: 0,
             cacheable: true,
+            drafter: None,
+            draft: Vec::new(),
+            drafts_in_flight: 0,
         }
     }
 

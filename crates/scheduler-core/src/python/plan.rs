@@ -19,6 +19,8 @@ pub struct PyPlan {
     pub(super) prefix_lens: Py<PyArray1<i64>>,
     pub(super) extend_lens: Py<PyArray1<i64>>,
     pub(super) seq_lens: Py<PyArray1<i64>>,
+    /// Drafts verified per request (0 unless it speculates; `extend_lens = 1 + draft_lens`).
+    pub(super) draft_lens: Py<PyArray1<i64>>,
     pub(super) sample: Py<PyArray1<bool>>,
     pub(super) input_ids: Py<PyArray1<i64>>,
     pub(super) positions: Py<PyArray1<i64>>,
@@ -44,7 +46,7 @@ impl PyPlan {
         *, id=0, forward_mode="extend", rids=None, req_slots=None, prefix_lens=None,
         extend_lens=None, seq_lens=None, sample=None, input_ids=None, positions=None,
         out_cache_loc=None, write_rows=None, write_cols=None, write_slots=None, admitted=None,
-        retracted=None, num_extends=None
+        retracted=None, num_extends=None, draft_lens=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -66,6 +68,7 @@ impl PyPlan {
         admitted: Option<&Bound<'_, PyAny>>,
         retracted: Option<&Bound<'_, PyAny>>,
         num_extends: Option<usize>,
+        draft_lens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let mode = FORWARD_MODES
             .into_iter()
@@ -95,6 +98,13 @@ impl PyPlan {
             ("prefix_lens", get(prefix_lens, "prefix_lens")?),
             ("extend_lens", get(extend_lens, "extend_lens")?),
             ("seq_lens", get(seq_lens, "seq_lens")?),
+            (
+                "draft_lens",
+                match draft_lens {
+                    Some(a) => extract_i64(a, "draft_lens")?,
+                    None => vec![0; n],
+                },
+            ),
         ];
         let per_token = [
             ("input_ids", get(input_ids, "input_ids")?),
@@ -125,7 +135,8 @@ impl PyPlan {
         let num_tokens = per_token[0].1.len();
         same_len(&per_token, num_tokens)?;
         same_len(&writes, writes[0].1.len())?;
-        let [req_slots, prefix_lens, extend_lens, seq_lens] = per_request.map(|(_, v)| v);
+        let [req_slots, prefix_lens, extend_lens, seq_lens, draft_lens] =
+            per_request.map(|(_, v)| v);
         let [input_ids, positions, out_cache_loc] = per_token.map(|(_, v)| v);
         let [write_rows, write_cols, write_slots] = writes.map(|(_, v)| v);
         Ok(PyPlan {
@@ -139,6 +150,7 @@ impl PyPlan {
             prefix_lens: array(py, prefix_lens),
             extend_lens: array(py, extend_lens),
             seq_lens: array(py, seq_lens),
+            draft_lens: array(py, draft_lens),
             sample: PyArray1::from_vec(py, sample).unbind(),
             input_ids: array(py, input_ids),
             positions: array(py, positions),

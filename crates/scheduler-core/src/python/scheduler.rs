@@ -26,6 +26,9 @@ pub(super) fn config_to_py<'py>(
     d.set_item("low_priority_values_first", c.low_priority_values_first)?;
     d.set_item("eos_token_ids", c.eos_token_ids.clone())?;
     d.set_item("seed", c.seed)?;
+    d.set_item("spec_num_draft_tokens", c.spec_num_draft_tokens)?;
+    d.set_item("spec_ngram_min_window", c.spec_ngram_min_window)?;
+    d.set_item("spec_ngram_max_window", c.spec_ngram_max_window)?;
     Ok(d)
 }
 
@@ -52,7 +55,8 @@ impl PyScheduler {
         max_prefill_tokens=None, chunked_prefill_size=None, schedule_policy=None,
         schedule_conservativeness=None, disable_radix_cache=None, enable_mixed_chunk=None,
         priority_preemption_threshold=None, low_priority_values_first=None,
-        eos_token_ids=None, seed=None
+        eos_token_ids=None, seed=None, spec_num_draft_tokens=None, spec_ngram_min_window=None,
+        spec_ngram_max_window=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -70,6 +74,9 @@ impl PyScheduler {
         low_priority_values_first: Option<bool>,
         eos_token_ids: Option<Vec<u32>>,
         seed: Option<u64>,
+        spec_num_draft_tokens: Option<usize>,
+        spec_ngram_min_window: Option<usize>,
+        spec_ngram_max_window: Option<usize>,
     ) -> PyResult<Self> {
         let d = SchedulerConfig::default();
         let policy = match schedule_policy {
@@ -98,6 +105,9 @@ impl PyScheduler {
                 .unwrap_or(d.low_priority_values_first),
             eos_token_ids: eos_token_ids.unwrap_or(d.eos_token_ids),
             seed: seed.unwrap_or(d.seed),
+            spec_num_draft_tokens: spec_num_draft_tokens.unwrap_or(d.spec_num_draft_tokens),
+            spec_ngram_min_window: spec_ngram_min_window.unwrap_or(d.spec_ngram_min_window),
+            spec_ngram_max_window: spec_ngram_max_window.unwrap_or(d.spec_ngram_max_window),
         };
         Ok(Self {
             inner: Scheduler::new(cfg).map_err(to_py_err)?,
@@ -192,11 +202,28 @@ impl PyScheduler {
     ) -> PyResult<PyOutcome> {
         let tokens = extract_i64(next_token_ids, "next_token_ids")?;
         let out = self.inner.commit(plan_id, &tokens).map_err(to_py_err)?;
-        Ok(PyOutcome {
-            rids: array(py, out.rids),
-            tokens: array(py, out.tokens),
-            finished: finished_list(py, out.finished)?,
-        })
+        outcome_to_py(py, out)
+    }
+
+    /// Applies a speculative step's accepted tokens: per request in plan order,
+    /// `accept_lens[i]` tokens (accepted drafts, then the bonus token) laid out one request
+    /// after another in `tokens`; `1 <= accept_lens[i] <= 1 + plan.draft_lens[i]`, exactly 1
+    /// where `sample` is false. Tokens after a finish are dropped. The outcome lists every
+    /// committed token, a request's tokens consecutively and in order.
+    fn commit_spec(
+        &mut self,
+        py: Python<'_>,
+        plan_id: u64,
+        tokens: &Bound<'_, PyAny>,
+        accept_lens: &Bound<'_, PyAny>,
+    ) -> PyResult<PyOutcome> {
+        let tokens = extract_i64(tokens, "tokens")?;
+        let accept_lens = extract_i64(accept_lens, "accept_lens")?;
+        let out = self
+            .inner
+            .commit_spec(plan_id, &tokens, &accept_lens)
+            .map_err(to_py_err)?;
+        outcome_to_py(py, out)
     }
 
     /// Aborts a request: returns "removed" (released now), "deferred" (a later commit reports
@@ -325,6 +352,15 @@ impl PyScheduler {
     }
 }
 
+/// A core outcome as the Python `Outcome`.
+fn outcome_to_py(py: Python<'_>, out: crate::Outcome) -> PyResult<PyOutcome> {
+    Ok(PyOutcome {
+        rids: array(py, out.rids),
+        tokens: array(py, out.tokens),
+        finished: finished_list(py, out.finished)?,
+    })
+}
+
 /// A core plan as the Python `Plan` (its vectors become numpy arrays, without copies).
 fn plan_to_py(py: Python<'_>, p: Plan) -> PyPlan {
     PyPlan {
@@ -338,6 +374,7 @@ fn plan_to_py(py: Python<'_>, p: Plan) -> PyPlan {
         prefix_lens: array(py, p.prefix_lens),
         extend_lens: array(py, p.extend_lens),
         seq_lens: array(py, p.seq_lens),
+        draft_lens: array(py, p.draft_lens),
         sample: PyArray1::from_vec(py, p.sample).unbind(),
         input_ids: array(py, p.input_ids),
         positions: array(py, p.positions),

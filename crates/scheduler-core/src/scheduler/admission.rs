@@ -385,7 +385,7 @@ impl Scheduler {
             plan.write_cols.push(pos as i64);
             plan.write_slots.push(slot as i64);
         }
-        push_request_arrays(plan, req, start, len, whole);
+        push_request_arrays(plan, req, start, len, whole, 0);
         let was_chunked = self.chunked == Some(idx);
         let req = self.req_mut(idx);
         req.kv_slots.extend_from_slice(&slots);
@@ -406,6 +406,7 @@ impl Scheduler {
             sample: whole,
             completes_prefill: whole,
             kv_end: req.kv_len(),
+            draft_len: 0,
         });
     }
 }
@@ -434,7 +435,8 @@ fn write_row(req: &Request, positions: Range<usize>, plan: &mut Plan) {
     }
 }
 
-/// Appends `req`'s per-request arrays: `len` tokens computed from position `start`.
+/// Appends `req`'s per-request arrays: `len` tokens computed from position `start`, the last
+/// `drafts` of them drafted.
 #[inline]
 pub(super) fn push_request_arrays(
     plan: &mut Plan,
@@ -442,6 +444,7 @@ pub(super) fn push_request_arrays(
     start: usize,
     len: usize,
     sample: bool,
+    drafts: usize,
 ) {
     plan.rids.push(req.rid as i64);
     plan.req_slots
@@ -450,4 +453,5 @@ pub(super) fn push_request_arrays(
     plan.extend_lens.push(len as i64);
     plan.seq_lens.push((start + len) as i64);
     plan.sample.push(sample);
+    plan.draft_lens.push(drafts as i64);
 }

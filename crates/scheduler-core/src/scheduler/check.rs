@@ -56,6 +56,14 @@ impl Scheduler {
                     req.fill_len()
                 ));
             }
+            if !req.draft.is_empty() || (req.drafts_in_flight > 0 && req.inflight_steps == 0) {
+                return Err(format!(
+                    "{what}: {} drafts left from planning, {} in flight with {} steps",
+                    req.draft.len(),
+                    req.drafts_in_flight,
+                    req.inflight_steps
+                ));
+            }
             // Only KV of committed steps may be shared: a step in flight may still fail.
             if req.prefix_len > req.computed_len {
                 return Err(format!(

@@ -6,69 +6,99 @@ use super::*;
 impl Scheduler {
     /// Applies a step's sampled tokens (one per request of the plan, in plan order; values for
     /// requests whose `sample` flag is false are ignored). Plans commit in the order planned.
+    /// Drafts of a speculative step are all rejected: [`commit_spec`](Self::commit_spec) with
+    /// every accept length 1.
     pub fn commit(&mut self, plan_id: u64, next_token_ids: &[i64]) -> Result<Outcome, CoreError> {
-        let front = self.inflight.front().ok_or_else(|| {
-            CoreError::Protocol(format!(
+        self.commit_accepted(plan_id, next_token_ids, None)
+    }
+
+    /// Applies a speculative step's accepted tokens. `tokens` holds, per request in plan order,
+    /// `accept_lens[i]` tokens: the accepted drafts then the bonus token, so
+    /// `1 <= accept_lens[i] <= 1 + draft_lens[i]` (exactly 1, ignored, where `sample` is
+    /// false). They are appended one at a time, each checked for a finish; what follows a
+    /// finish is dropped. The KV of the rejected positions is given back.
+    pub fn commit_spec(
+        &mut self,
+        plan_id: u64,
+        tokens: &[i64],
+        accept_lens: &[i64],
+    ) -> Result<Outcome, CoreError> {
+        self.commit_accepted(plan_id, tokens, Some(accept_lens))
+    }
+
+    /// Checks a commit's arguments against the oldest plan in flight.
+    fn check_commit(
+        &self,
+        plan_id: u64,
+        tokens: &[i64],
+        accept_lens: Option<&[i64]>,
+    ) -> Result<(), CoreError> {
+        let protocol = |m: String| Err(CoreError::Protocol(m));
+        let Some(front) = self.inflight.front() else {
+            return protocol(format!(
                 "commit of plan {plan_id}, but no plan is in flight"
-            ))
-        })?;
+            ));
+        };
         if front.id != plan_id {
-            return Err(CoreError::Protocol(format!(
+            return protocol(format!(
                 "commit of plan {plan_id}, but plan {} is the oldest in flight (commit in order)",
                 front.id
-            )));
+            ));
         }
-        if front.entries.len() != next_token_ids.len() {
-            return Err(CoreError::Protocol(format!(
-                "plan {plan_id} has {} requests but {} next tokens were given",
-                front.entries.len(),
-                next_token_ids.len()
-            )));
+        let n = front.entries.len();
+        let lens_ok = accept_lens.is_none_or(|l| l.len() == n);
+        let expected = match accept_lens {
+            Some(l) if lens_ok => l.iter().map(|&a| a.max(0) as usize).sum(),
+            _ => n,
+        };
+        if !lens_ok || tokens.len() != expected {
+            return protocol(format!(
+                "plan {plan_id} has {n} requests but {} next tokens and {} accept lengths were \
+                 given",
+                tokens.len(),
+                accept_lens.map_or(n, <[i64]>::len)
+            ));
         }
-        if let Some(bad) = front
-            .entries
-            .iter()
-            .zip(next_token_ids)
-            .find(|(e, &t)| e.sample && !(0..=u32::MAX as i64).contains(&t))
-        {
-            return Err(CoreError::Protocol(format!(
-                "invalid token id {} in commit",
-                bad.1
-            )));
+        let mut offset = 0;
+        for (i, e) in front.entries.iter().enumerate() {
+            let a = accept_lens.map_or(1, |l| l[i]);
+            let max = if e.sample { 1 + e.draft_len as i64 } else { 1 };
+            if !(1..=max).contains(&a) {
+                return protocol(format!(
+                    "accept length {a} of request {i} of plan {plan_id}: it must be 1 to {max}"
+                ));
+            }
+            let run = &tokens[offset..offset + a as usize];
+            offset += a as usize;
+            if let Some(bad) = run
+                .iter()
+                .find(|&&t| e.sample && !(0..=u32::MAX as i64).contains(&t))
+            {
+                return protocol(format!("invalid token id {bad} in commit"));
+            }
         }
+        Ok(())
+    }
+
+    /// `commit` and `commit_spec`: `accept_lens` of `None` means 1 for every request.
+    fn commit_accepted(
+        &mut self,
+        plan_id: u64,
+        tokens: &[i64],
+        accept_lens: Option<&[i64]>,
+    ) -> Result<Outcome, CoreError> {
+        self.check_commit(plan_id, tokens, accept_lens)?;
         let flight = self.inflight.pop_front().expect("checked above");
         let mut out = Outcome {
             finished: std::mem::take(&mut self.pending_reports),
             ..Outcome::default()
         };
-        for (e, &token) in flight.entries.iter().zip(next_token_ids) {
-            let req = self.reqs[e.idx]
-                .as_mut()
-                .expect("in-flight requests stay live");
-            req.inflight_steps -= 1;
-            // A retracted request's stale value is harmless: it is readmitted only once no
-            // step of it is in flight, and readmission restarts `computed_len`.
-            req.computed_len = req.computed_len.max(e.kv_end);
-            if !e.sample {
-                continue;
-            }
-            req.pending_tokens -= 1;
-            if req.finish.is_some() {
-                continue; // finished or aborted while this step was in flight: drop the token
-            }
-            req.output.push(token as u32);
-            out.rids.push(req.rid as i64);
-            out.tokens.push(token);
-            self.counters.generated_tokens += 1;
-            if let Some(reason) = req.check_finished(&self.cfg.eos_token_ids) {
-                out.finished.push(self.mark_finished(e.idx, reason));
-            } else if e.completes_prefill && req.state == ReqState::Running && req.cacheable {
-                // SGLang's `process_batch_result_prefill`, in batch order: a prompt whose
-                // prefill completed goes into the tree now, so that requests arriving while
-                // this one decodes share it. (A request retracted since this step was planned
-                // holds no KV: it is skipped, as in SGLang.)
-                self.cache_unfinished(e.idx, e.kv_end);
-            }
+        let mut offset = 0;
+        for (i, e) in flight.entries.iter().enumerate() {
+            let a = accept_lens.map_or(1, |l| l[i] as usize);
+            let run = &tokens[offset..offset + a];
+            offset += a;
+            self.commit_entry(e, run, &mut out);
         }
         for e in &flight.entries {
             let Some(req) = self.reqs[e.idx].as_mut() else {
@@ -87,6 +117,56 @@ impl Scheduler {
             }
         }
         Ok(out)
+    }
+
+    /// Commits one request's accepted `run` of tokens from one step.
+    fn commit_entry(&mut self, e: &Entry, run: &[i64], out: &mut Outcome) {
+        let req = self.reqs[e.idx]
+            .as_mut()
+            .expect("in-flight requests stay live");
+        req.inflight_steps -= 1;
+        req.drafts_in_flight = 0;
+        // KV positions of this step that stay valid: the first input is always committed; a
+        // draft's only once every token up to it is.
+        let mut kept = 1;
+        let mut finish = None;
+        if e.sample {
+            req.pending_tokens -= 1 + e.draft_len;
+            // A finished or aborted request (while this step was in flight) drops its tokens.
+            if req.finish.is_none() {
+                let mut appended = 0;
+                for &token in run {
+                    req.output.push(token as u32);
+                    out.rids.push(req.rid as i64);
+                    out.tokens.push(token);
+                    appended += 1;
+                    finish = req.check_finished(&self.cfg.eos_token_ids);
+                    if finish.is_some() {
+                        break;
+                    }
+                }
+                kept = run.len().min(appended + 1);
+                self.counters.generated_tokens += appended as u64;
+                self.counters.accepted_draft_tokens += run.len() as u64 - 1;
+            }
+        }
+        if e.draft_len > 0 {
+            self.drop_rejected_kv(e.idx, e.kv_end, e.draft_len, kept);
+        }
+        let kv_end = e.kv_end - (1 + e.draft_len - kept);
+        let req = self.req_mut(e.idx);
+        // A retracted request's stale value is harmless: it is readmitted only once no
+        // step of it is in flight, and readmission restarts `computed_len`.
+        req.computed_len = req.computed_len.max(kv_end);
+        if let Some(reason) = finish {
+            out.finished.push(self.mark_finished(e.idx, reason));
+        } else if e.completes_prefill && req.state == ReqState::Running && req.cacheable {
+            // SGLang's `process_batch_result_prefill`, in batch order: a prompt whose
+            // prefill completed goes into the tree now, so that requests arriving while
+            // this one decodes share it. (A request retracted since this step was planned
+            // holds no KV: it is skipped, as in SGLang.)
+            self.cache_unfinished(e.idx, e.kv_end);
+        }
     }
 
     pub(super) fn report(&self, req: &Request) -> Finished {

@@ -33,6 +33,21 @@ pub struct SchedulerConfig {
     pub eos_token_ids: Vec<u32>,
     /// Seed of the random policy.
     pub seed: u64,
+    /// Speculative decoding (SGLang's `--speculative-num-draft-tokens`): tokens verified per
+    /// speculating request and step, the root (last committed) token included, so up to
+    /// `spec_num_draft_tokens - 1` drafts. 0 or 1 turns speculation off.
+    pub spec_num_draft_tokens: usize,
+    /// Shortest suffix the n-gram drafter matches (`--speculative-ngram-min-match-window-size`).
+    pub spec_ngram_min_window: usize,
+    /// Longest suffix the n-gram drafter matches (`--speculative-ngram-max-match-window-size`).
+    pub spec_ngram_max_window: usize,
+}
+
+impl SchedulerConfig {
+    /// Most drafts a request may verify in one step (0: speculation off).
+    pub fn max_drafts(&self) -> usize {
+        self.spec_num_draft_tokens.saturating_sub(1)
+    }
 }
 
 impl Default for SchedulerConfig {
@@ -53,6 +68,9 @@ impl Default for SchedulerConfig {
             low_priority_values_first: false,
             eos_token_ids: Vec::new(),
             seed: 0,
+            spec_num_draft_tokens: 0,
+            spec_ngram_min_window: 1,
+            spec_ngram_max_window: 12,
         }
     }
 }

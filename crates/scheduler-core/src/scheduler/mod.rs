@@ -34,6 +34,7 @@ mod config;
 mod decode;
 mod fast_forward;
 mod plan;
+mod spec;
 
 pub use config::{CoreError, SchedulerConfig};
 pub use fast_forward::DecodeRun;
@@ -238,10 +239,14 @@ impl Scheduler {
             .running
             .iter()
             .copied()
-            .filter(|&i| !self.req(i).will_hit_length())
+            .filter(|&i| {
+                let r = self.req(i);
+                !r.will_hit_length() && r.drafts_in_flight == 0
+            })
             .collect();
+        self.propose_drafts(&decodable);
         let mixed_decodes = if self.cfg.enable_mixed_chunk {
-            decodable.len()
+            self.decode_tokens(&decodable)
         } else {
             0
         };
@@ -259,6 +264,7 @@ impl Scheduler {
             plan.num_extends = entries.len();
             let mixed = self.cfg.enable_mixed_chunk
                 && !decodable.is_empty()
+                && self.drop_drafts_to_fit(&decodable, self.available_and_evictable())
                 && self.ensure_free(self.decode_pages(&decodable) * self.cfg.page_size);
             if mixed {
                 for &idx in &decodable {
@@ -267,6 +273,7 @@ impl Scheduler {
                 plan.mode = ForwardMode::Mixed;
                 self.counters.mixed_steps += 1;
             } else {
+                self.clear_drafts(&decodable);
                 plan.mode = ForwardMode::Extend;
                 self.counters.extend_steps += 1;
             }
@@ -294,6 +301,11 @@ impl Scheduler {
             });
         }
         plan
+    }
+
+    /// The prefix cache's contents: every root-to-leaf path's tokens and KV slots (for tests).
+    pub fn cached_paths(&self) -> Vec<(Vec<u32>, Vec<Slot>)> {
+        self.tree.paths()
     }
 
     /// Whether anything is queued, running or in flight.

@@ -52,6 +52,10 @@ pub struct Plan {
     pub extend_lens: Vec<i64>,
     /// `prefix_lens + extend_lens`.
     pub seq_lens: Vec<i64>,
+    /// Drafts verified per request (0 unless it speculates): such a decode computes its last
+    /// committed token then `draft_lens[i]` drafted ones, `extend_lens[i] = 1 + draft_lens[i]`,
+    /// and commits 1 to `1 + draft_lens[i]` tokens (`Scheduler::commit_spec`).
+    pub draft_lens: Vec<i64>,
     /// Whether each request's sampled token will be kept.
     pub sample: Vec<bool>,
     /// Token ids to compute.
@@ -92,7 +96,8 @@ pub struct Finished {
 /// The result of committing a step.
 #[derive(Debug, Clone, Default)]
 pub struct Outcome {
-    /// Requests that received a token (aligned with `tokens`).
+    /// Requests that received a token (aligned with `tokens`); a request that accepted
+    /// drafts appears once per token, its tokens in order.
     pub rids: Vec<i64>,
     /// The tokens they received.
     pub tokens: Vec<i64>,
@@ -136,6 +141,10 @@ pub struct Counters {
     pub decode_steps: u64,
     /// Mixed steps planned.
     pub mixed_steps: u64,
+    /// Draft tokens planned for verification.
+    pub draft_tokens: u64,
+    /// Of those, drafts accepted by commits.
+    pub accepted_draft_tokens: u64,
 }
 
 /// A snapshot of the scheduler's load.
@@ -176,8 +185,10 @@ pub(super) struct Entry {
     /// Whether this step computes the last of the request's prefill (its whole extend or
     /// its last chunk): once committed, the prompt goes into the prefix tree.
     pub(super) completes_prefill: bool,
-    /// The request's KV length once this step has run.
+    /// The request's KV length once this step has run (drafts included).
     pub(super) kv_end: usize,
+    /// Drafts this step verifies for the request.
+    pub(super) draft_len: usize,
 }
 
 #[derive(Debug)]
