@@ -9,6 +9,9 @@
 
 use rustc_hash::FxHashMap;
 
+/// Longest suffix the drafter matches.
+pub const MAX_WINDOW: usize = 64;
+
 /// Per-request n-gram index over committed tokens.
 #[derive(Debug, Clone)]
 pub struct NgramDrafter {
@@ -29,11 +32,11 @@ fn mix(h: u64, token: u32) -> u64 {
 }
 
 impl NgramDrafter {
-    /// An empty index matching suffixes of `min..=max` tokens (`min` is raised to 1 and
-    /// `max` to `min`).
+    /// An empty index matching suffixes of `min..=max` tokens (`min` is raised to 1, then
+    /// `max` clamped to `min..=MAX_WINDOW`).
     pub fn new(min: usize, max: usize) -> Self {
-        let min = min.max(1);
-        let max = max.max(min);
+        let min = min.clamp(1, MAX_WINDOW);
+        let max = max.clamp(min, MAX_WINDOW);
         Self {
             min,
             max,
@@ -80,8 +83,8 @@ impl NgramDrafter {
         if k == 0 {
             return &[];
         }
-        let mut hashes = [0u64; 64];
-        let longest = self.max.min(len).min(hashes.len());
+        let mut hashes = [0u64; MAX_WINDOW];
+        let longest = self.max.min(len);
         let mut h = 0;
         for n in 1..=longest {
             h = mix(h, self.tokens[len - n]);

@@ -744,3 +744,53 @@ fn a_retracted_request_resumes_with_the_same_tokens() {
         }
     }
 }
+
+/// `commit_spec` refuses accept lengths outside 1..=1+k (and token counts that do not match
+/// them) without changing anything; `commit` rejects every draft.
+#[test]
+fn commit_spec_checks_its_arguments() {
+    let cfg = SchedulerConfig {
+        max_total_tokens: 256,
+        context_len: 128,
+        spec_num_draft_tokens: 4,
+        ..SchedulerConfig::default()
+    };
+    let mut s = Scheduler::new(cfg).unwrap();
+    let limits = SamplingLimits {
+        max_new_tokens: 20,
+        ignore_eos: true,
+        ..SamplingLimits::default()
+    };
+    s.add_request(1, vec![5, 6, 7, 5, 6], limits).unwrap();
+    let p = s.schedule();
+    assert_eq!(p.draft_lens, [0]);
+    assert!(
+        s.commit_spec(p.id, &[7, 8], &[2]).is_err(),
+        "an extend has no drafts"
+    );
+    s.commit_spec(p.id, &[7], &[1]).unwrap();
+    let p = s.schedule();
+    // [5, 6, 7] occurred at the start, followed by [5, 6] and the 7 just committed.
+    assert_eq!(p.draft_lens, [3]);
+    assert_eq!(p.input_ids, [7, 5, 6, 7]);
+    assert_eq!(p.positions, [5, 6, 7, 8]);
+    assert_eq!(p.extend_lens, [4]);
+    assert_eq!(p.seq_lens, [9]);
+    let before = s.stats();
+    for (tokens, lens) in [
+        (&[1, 2, 3, 4, 5][..], &[5][..]),
+        (&[1][..], &[0][..]),
+        (&[1, 2][..], &[1][..]),
+        (&[1, 2][..], &[2, 1][..]),
+        (&[-1, 2][..], &[2][..]),
+    ] {
+        assert!(s.commit_spec(p.id, tokens, lens).is_err());
+    }
+    assert_eq!(s.stats().available, before.available);
+    s.check().unwrap();
+    let out = s.commit(p.id, &[9]).unwrap();
+    assert_eq!(out.tokens, [9]);
+    assert_eq!(s.request(1).unwrap().kv_len(), 6);
+    assert_eq!(s.stats().available, before.available + 3);
+    s.check().unwrap();
+}

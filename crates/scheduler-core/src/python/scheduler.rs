@@ -299,7 +299,7 @@ impl PyScheduler {
         let s = self.inner.stats();
         let c = &s.counters;
         let d = PyDict::new(py);
-        let items: [(&str, f64); 23] = [
+        let items: [(&str, f64); 25] = [
             ("waiting", s.waiting as f64),
             ("running", s.running as f64),
             ("chunked", s.chunked as f64),
@@ -323,6 +323,8 @@ impl PyScheduler {
             ("extend_steps", c.extend_steps as f64),
             ("decode_steps", c.decode_steps as f64),
             ("mixed_steps", c.mixed_steps as f64),
+            ("draft_tokens", c.draft_tokens as f64),
+            ("accepted_draft_tokens", c.accepted_draft_tokens as f64),
         ];
         for (k, v) in items {
             if k == "new_token_ratio" {

@@ -48,15 +48,22 @@ impl Scheduler {
         let n = front.entries.len();
         let lens_ok = accept_lens.is_none_or(|l| l.len() == n);
         let expected = match accept_lens {
-            Some(l) if lens_ok => l.iter().map(|&a| a.max(0) as usize).sum(),
+            Some(l) if lens_ok => l
+                .iter()
+                .fold(0usize, |sum, &a| sum.saturating_add(a.max(0) as usize)),
             _ => n,
         };
-        if !lens_ok || tokens.len() != expected {
+        if !lens_ok {
             return protocol(format!(
-                "plan {plan_id} has {n} requests but {} next tokens and {} accept lengths were \
-                 given",
-                tokens.len(),
+                "plan {plan_id} has {n} requests but {} accept lengths were given",
                 accept_lens.map_or(n, <[i64]>::len)
+            ));
+        }
+        if tokens.len() != expected {
+            return protocol(format!(
+                "plan {plan_id} has {n} requests but {} next tokens were given ({expected} \
+                 expected)",
+                tokens.len()
             ));
         }
         let mut offset = 0;

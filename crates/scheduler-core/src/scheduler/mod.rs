@@ -19,6 +19,7 @@ use std::fmt;
 use rustc_hash::FxHashMap;
 
 use crate::budget::{AddResult, Admission, NewTokenRatio, PrefillAdder, CLIP_MAX_NEW_TOKENS};
+use crate::drafter::MAX_WINDOW;
 use crate::policy::{self, Candidate, Policy, SplitMix64};
 use crate::pool::{ReqSlotPool, Slot, TokenPool};
 use crate::radix::{NodeId, RadixTree, ROOT};
@@ -89,6 +90,13 @@ impl Scheduler {
             return invalid(format!(
                 "chunked_prefill_size must be at least page_size ({})",
                 cfg.page_size
+            ));
+        }
+        let (min, max) = (cfg.spec_ngram_min_window, cfg.spec_ngram_max_window);
+        if cfg.max_drafts() > 0 && !(1 <= min && min <= max && max <= MAX_WINDOW) {
+            return invalid(format!(
+                "the n-gram match window must satisfy 1 <= min ({min}) <= max ({max}) <= \
+                 {MAX_WINDOW}"
             ));
         }
         if cfg.schedule_conservativeness.is_nan() || cfg.schedule_conservativeness <= 0.0 {
