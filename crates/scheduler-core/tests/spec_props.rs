@@ -373,11 +373,31 @@ impl Driver {
             return false;
         }
         assert_eq!(plan.draft_lens.len(), plan.rids.len());
-        let k_max = self.s.config().spec_num_draft_tokens.saturating_sub(1) as i64;
+        let cfg = self.s.config();
+        let k_max = cfg.spec_num_draft_tokens.saturating_sub(1) as i64;
+        let mut offset = 0;
         for (i, &k) in plan.draft_lens.iter().enumerate() {
             assert!(k <= k_max);
+            let n = plan.extend_lens[i] as usize;
+            let drafts = &plan.input_ids[offset + 1..offset + n];
+            offset += n;
             if k > 0 {
-                let r = self.s.request(plan.rids[i] as u64).unwrap();
+                let rid = plan.rids[i] as u64;
+                let r = self.s.request(rid).unwrap();
+                // The drafts are what the n-gram rule finds in the committed tokens.
+                let committed = &self.exec.seqs[&rid];
+                assert_eq!(committed.len(), r.prompt.len() + r.output.len());
+                let cap = (k_max as usize)
+                    .min(r.limits.max_new_tokens - r.output.len() - 1)
+                    .min(cfg.context_len - committed.len() - 1);
+                let want = ngram_lookup(
+                    committed,
+                    cfg.spec_ngram_min_window,
+                    cfg.spec_ngram_max_window,
+                    cap,
+                );
+                let got: Vec<u32> = drafts.iter().map(|&t| t as u32).collect();
+                assert_eq!(got, want, "request {rid}: drafts");
                 // The step may commit 1 + k tokens: within the request's limits.
                 assert!(r.output.len() + 1 + k as usize <= r.limits.max_new_tokens);
                 assert!(
@@ -460,6 +480,19 @@ impl Driver {
             .collect();
         (!live.is_empty()).then(|| live[pick % live.len()])
     }
+}
+
+/// The n-gram rule by brute force: the longest suffix of `min..=max` tokens that occurred
+/// earlier, and up to `k` tokens after its latest earlier occurrence.
+fn ngram_lookup(seq: &[u32], min: usize, max: usize, k: usize) -> Vec<u32> {
+    let len = seq.len();
+    for n in (min..=max.min(len)).rev() {
+        let suffix = &seq[len - n..];
+        if let Some(s) = (0..len - n).rev().find(|&s| &seq[s..s + n] == suffix) {
+            return seq[s + n..(s + n + k).min(len)].to_vec();
+        }
+    }
+    Vec::new()
 }
 
 /// What the fake model produces for `prompt` without speculation, as the core's finish rules

@@ -12,6 +12,14 @@
 //! next `schedule`, every other request's prompt when the step that completes its prefill
 //! is committed (so requests arriving while it decodes share it), and what is left when it
 //! finishes. Only committed steps' KV is ever inserted: a step in flight may still fail.
+//!
+//! Speculative decoding (`spec_num_draft_tokens` > 1, chains of n-gram drafts): a decoding
+//! request whose last token is committed (no step of it in flight) gets drafts from its
+//! [`NgramDrafter`](crate::drafter::NgramDrafter) and computes `1 + k` tokens; the memory
+//! check and the mixed step's prefill budget count them, and drafts are dropped before anyone
+//! is retracted. Until that step commits the request is not planned again. `commit_spec`
+//! appends the accepted tokens one at a time with the finish checks, and gives back the KV of
+//! rejected positions (whole pages beyond the new length; a partly used last page stays).
 
 use std::collections::VecDeque;
 use std::fmt;
