@@ -49,7 +49,12 @@ def kernels() -> CpuKernels:
 @pytest.fixture(scope="module")
 def bf16_runner() -> ModelRunner:
     return ModelRunner.from_pretrained(
-        None, kv_buffer_size=2048, max_running_requests=8, context_len=256, dtype=BF16
+        None,
+        kv_buffer_size=2048,
+        max_running_requests=8,
+        context_len=256,
+        dtype=BF16,
+        quantization="none",  # the dense bfloat16 path these tests pin (AMX/oneDNN)
     )
 
 
