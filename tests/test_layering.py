@@ -26,6 +26,8 @@ FORBIDDEN = {
     # Constrained decoding: driven by the loop, read by the sampler; imports neither.
     "grammar": {"layers", "models", "model_executor", "scheduler", "server", "engine", "stack"},
     "stack": {"server", "engine"},
+    # Speculative acceptance: called by the model runner, reads the sampler's state.
+    "speculative": {"models", "model_executor", "scheduler", "server", "engine", "stack"},
     # Tool calling: read by the frontend process.
     "tool_calls": {"layers", "models", "model_executor", "scheduler", "server", "engine", "stack"},
 }

@@ -38,6 +38,9 @@ LOAD_BALANCE_METHODS = ("round_robin", "total_requests", "total_tokens", "cache_
 # Constrained-decoding backends (rsgl.grammar; none: constraints are refused with a 400).
 GRAMMAR_BACKENDS = ("xgrammar", "llguidance", "none")
 
+# Speculative decoding algorithms (SGLang's names).
+SPECULATIVE_ALGORITHMS = ("NGRAM",)
+
 # Model dtypes (auto: chosen at start-up by rsgl.models.dtype_choice).
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -181,6 +184,22 @@ class EngineArgs:
         "answers carry it as reasoning_content, and a constraint applies after it ends",
         choices=list(REASONING_PARSERS),
     )
+    speculative_algorithm: str | None = option(
+        None,
+        "speculative decoding (SGLang's name): NGRAM drafts each request's next tokens from "
+        "its own prompt and output and verifies them in one forward (greedy output is "
+        "unchanged, sampled output keeps its distribution); runs without overlap scheduling",
+        choices=list(SPECULATIVE_ALGORITHMS),
+    )
+    speculative_num_draft_tokens: int = option(
+        5, "tokens a verify step computes per request: its last token and up to n - 1 drafts"
+    )
+    speculative_ngram_min_match_window_size: int = option(
+        1, "NGRAM: shortest suffix of a request's tokens looked up in its earlier tokens"
+    )
+    speculative_ngram_max_match_window_size: int = option(
+        12, "NGRAM: longest suffix looked up (the longest match is drafted from)"
+    )
 
     tp_size: int = option(
         1,
@@ -267,10 +286,40 @@ class EngineArgs:
                 f"tp_size ({self.tp_size}) must be a multiple of nnodes ({self.nnodes}): "
                 "each node runs the same number of tensor-parallel ranks"
             )
+        self._check_speculative()
         parallel = ("tp_size", "dp_size", "nnodes")
         for name in ("max_running_requests", "max_prefill_tokens", "page_size", *limits, *parallel):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+    def _check_speculative(self) -> None:
+        """ValueError naming what is wrong with the speculative options."""
+        if self.speculative_algorithm not in (None, *SPECULATIVE_ALGORITHMS):
+            raise ValueError(
+                f"invalid speculative_algorithm {self.speculative_algorithm!r}: expected one "
+                f"of {', '.join(SPECULATIVE_ALGORITHMS)}"
+            )
+        if self.speculative_num_draft_tokens < 1:
+            raise ValueError(
+                "speculative_num_draft_tokens must be at least 1, got "
+                f"{self.speculative_num_draft_tokens}"
+            )
+        low = self.speculative_ngram_min_match_window_size
+        high = self.speculative_ngram_max_match_window_size
+        if not 1 <= low <= high:
+            raise ValueError(
+                "speculative_ngram_min_match_window_size and _max_ must satisfy 1 <= min <= "
+                f"max, got {low} and {high}"
+            )
+        if self.speculative_algorithm is not None and self.tp_size > 1:
+            raise ValueError(
+                "speculative_algorithm with tp_size > 1 is not supported yet (use dp_size)"
+            )
+
+    @property
+    def speculates(self) -> bool:
+        """Whether requests are decoded speculatively (drafts verified in one forward)."""
+        return self.speculative_algorithm is not None and self.speculative_num_draft_tokens > 1
 
     @classmethod
     def from_options(cls, model_path: str | None, options: dict[str, Any]) -> EngineArgs:

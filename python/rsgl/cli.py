@@ -17,6 +17,7 @@ BENCHMARKS: dict[str, str] = {
     "grammar": "rsgl.bench.grammar",
     "simulate": "rsgl.bench.simulate",
     "quality": "rsgl.bench.quality",
+    "speculative": "rsgl.bench.speculative",
 }
 
 

@@ -291,6 +291,9 @@ def build_core(
         enable_mixed_chunk=args.enable_mixed_chunk,
         eos_token_ids=list(config.eos_token_ids),
         seed=args.seed,
+        spec_num_draft_tokens=args.speculative_num_draft_tokens if args.speculates else 0,
+        spec_ngram_min_window=args.speculative_ngram_min_match_window_size,
+        spec_ngram_max_window=args.speculative_ngram_max_match_window_size,
     )
 
 
@@ -352,7 +355,9 @@ def build_loop(
         stack.core,
         stack.runner,
         emit,
-        overlap=not args.disable_overlap_schedule,
+        # Drafting needs each request's newest token, so a speculating loop runs each
+        # step's scheduling after its forward (as SGLang's NGRAM worker does).
+        overlap=not (args.disable_overlap_schedule or args.speculates),
         executor=executor,
         grammar=grammar,
         grammar_refusal=refusal,

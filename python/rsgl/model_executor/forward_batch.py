@@ -49,6 +49,12 @@ class ForwardBatch:
     extend_lens_host: np.ndarray
     seq_lens_host: np.ndarray
     num_decodes: int
+    # A verify step (a plan with drafts): per request its draft count, the token indices
+    # whose logits the step needs (every position of a request with drafts, the last of
+    # the others; None: each request's last position) and those of the drafts.
+    draft_lens_host: np.ndarray | None = None
+    logit_rows: torch.Tensor | None = None
+    draft_index: torch.Tensor | None = None
     # Set by the attention backend once per step and read by every layer.
     attn_metadata: object | None = None
 
@@ -66,8 +72,13 @@ class ForwardBatch:
 
     @property
     def last_token_index(self) -> torch.Tensor:
-        """Token index of each request's last computed position (the rows the LM head sees)."""
+        """Token index of each request's last computed position."""
         return self.extend_start_loc + self.extend_lens - 1
+
+    @property
+    def lm_head_rows(self) -> torch.Tensor:
+        """The token indices the LM head sees: `logit_rows`, else each last position."""
+        return self.last_token_index if self.logit_rows is None else self.logit_rows
 
     def token_req_slots(self) -> torch.Tensor:
         """The request slot of every token ([T])."""
@@ -131,9 +142,27 @@ class ForwardBatch:
 
     @classmethod
     def from_plan(cls, plan: Plan, device: torch.device | str = "cpu") -> ForwardBatch:
-        """Build from a scheduling-core plan (its req_to_token writes are applied elsewhere)."""
+        """Build from a scheduling-core plan (its req_to_token writes are applied elsewhere).
+        A plan with drafts is a verify step: its requests with drafts compute 1 + k tokens
+        (an extend over their KV), and the LM head sees each of those positions."""
+        drafts = np.asarray(plan.draft_lens, dtype=np.int64)
+        if not drafts.any():
+            return cls._from_plan_arrays(plan, plan.forward_mode, device)
+        batch = cls._from_plan_arrays(plan, ForwardMode.MIXED, device)
+        # Request i's rows are its last 1 + drafts[i] tokens; its drafts, the last drafts[i].
+        ends = np.cumsum(batch.extend_lens_host)
+        batch.draft_lens_host = drafts
+        batch.logit_rows, batch.draft_index = to_device(
+            [_last_runs(ends, drafts + 1), _last_runs(ends, drafts)], device
+        )
+        return batch
+
+    @classmethod
+    def _from_plan_arrays(
+        cls, plan: Plan, mode: ForwardMode | str, device: torch.device | str
+    ) -> ForwardBatch:
         return cls.from_arrays(
-            forward_mode=plan.forward_mode,
+            forward_mode=mode,
             req_slots=plan.req_slots,
             prefix_lens=plan.prefix_lens,
             extend_lens=plan.extend_lens,
@@ -143,3 +172,10 @@ class ForwardBatch:
             out_cache_loc=plan.out_cache_loc,
             device=device,
         )
+
+
+def _last_runs(ends: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The concatenation of `arange(end - n, end)` for each (end, n)."""
+    offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    runs: np.ndarray = np.repeat(ends - lengths, lengths) + offsets
+    return runs

@@ -32,6 +32,7 @@ from rsgl.model_executor.future_map import FutureMap
 from rsgl.model_executor.kv_cache import KVCache, ReqToTokenPool, resolve_kv_cache_dtype
 from rsgl.models.loader import LoadedModel, load_model
 from rsgl.sampling_params import SamplingParams
+from rsgl.speculative.accept import accept_drafts, record_accepted
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,9 @@ class StepOutput:
 
     sample: SampleOutput
     logits: torch.Tensor | None = None  # [B, vocab], only with return_logits=True
+    # A verify step: tokens per request (its accepted drafts + 1), and `sample` has a row
+    # per token, request after request. None: one token per request.
+    accept_lens: torch.Tensor | None = None
 
     @property
     def next_token_ids(self) -> torch.Tensor:
@@ -64,7 +68,7 @@ class StepOutput:
             top_logprobs=host(s.top_logprobs),
             token_ids_logprobs=host(s.token_ids_logprobs),
         )
-        return StepOutput(sample, host(self.logits))
+        return StepOutput(sample, host(self.logits), host(self.accept_lens))
 
 
 @dataclass(slots=True)
@@ -268,7 +272,8 @@ class ModelRunner:
         n = len(plan.req_slots)
         mode = ForwardMode(plan.forward_mode)
         size = None
-        if self.graphs is not None and self.graphs.can_run(n, mode):
+        verify = bool(plan.draft_lens.any())
+        if self.graphs is not None and not verify and self.graphs.can_run(n, mode):
             size = padded_size(self.graphs.sizes, n)
         if size is None:
             return PreparedStep(plan, writes, ForwardBatch.from_plan(plan, self.device), False, n)
@@ -341,7 +346,41 @@ class ModelRunner:
             ids = sharded_argmax(local, tp.shard.vocab.start, tp.group)
             return self._record(batch, SampleOutput(ids), batch.batch_size, None)
         logits = self.model(input_ids, batch, self.attn)
+        if batch.logit_rows is not None:
+            return self._verify(batch, input_ids, logits, vocab_mask)
         return self._sample(batch, logits, batch.batch_size, return_logits, vocab_mask)
+
+    def _verify(
+        self,
+        batch: ForwardBatch,
+        input_ids: torch.Tensor,
+        logits: torch.Tensor,
+        vocab_mask: VocabMask | None,
+    ) -> StepOutput:
+        """A verify step's tokens: every request's accepted drafts and one more token
+        (`rsgl.speculative.accept`). Rows under a grammar carry no drafts (the core
+        drafts only for requests that may speculate): their one row is masked as a plain
+        step masks it."""
+        drafts, draft_index = batch.draft_lens_host, batch.draft_index
+        assert drafts is not None and draft_index is not None
+        if vocab_mask is not None:
+            firsts = np.cumsum(drafts + 1) - (drafts + 1)  # each request's first row
+            if self.sampling.return_logprob[batch.req_slots_host].any():
+                logits = logits.clone()  # logprobs are the model's, before the mask
+            logits = logits.float()
+            apply_token_bitmask(logits, firsts[vocab_mask.rows], vocab_mask.wait())
+        accepted = accept_drafts(
+            logits,
+            batch.req_slots_host,
+            drafts,
+            input_ids[draft_index],
+            self.sampling,
+            self.sampler,
+            batch.seq_lens_host - drafts,
+        )
+        record_accepted(self.sampling, batch.req_slots_host, accepted)
+        self.future_map.store(batch.req_slots, accepted.last_token_ids)
+        return StepOutput(accepted.sample, None, accepted.accept_lens)
 
     @torch.inference_mode()
     def teacher_forced_logits(self, token_ids: list[int]) -> torch.Tensor:

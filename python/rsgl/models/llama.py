@@ -408,8 +408,8 @@ class LlamaForCausalLM(nn.Module):
         cis = self.rotary.cis(batch.positions)
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cis, batch, attn)
-        # Only the last position of each request feeds the LM head.
-        last = slice(None) if all_positions else batch.last_token_index
+        # Only the positions whose logits the step needs feed the LM head.
+        last = slice(None) if all_positions else batch.lm_head_rows
         assert residual is not None
         normed, _ = self.model.norm.add_forward(hidden[last], residual[last])
         return self.compute_logits(normed, gather_logits)

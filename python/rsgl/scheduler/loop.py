@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from rsgl._core import FinishReason, Plan, Scheduler
+from rsgl._core import Finished, FinishReason, Plan, Scheduler
 from rsgl.errors import FatalStepError, InvalidRequest
 from rsgl.grammar.backend import GrammarError, Matcher
 from rsgl.grammar.compiler import GrammarCompiler
@@ -161,6 +161,12 @@ class SchedulerLoop:
         self._stopping = False
         self.error: BaseException | None = None
         self.steps = 0
+        # Speculation: steps that verified drafts; the request rows with drafts in them, their
+        # drafts, and the tokens those rows committed (accepted drafts + one each).
+        self.verify_steps = 0
+        self.spec_rows = 0
+        self.spec_drafts = 0
+        self.spec_tokens = 0
         self.step_failures = 0
         self._failures_in_a_row = 0
         self._faults = FaultInjector.from_env()
@@ -197,6 +203,19 @@ class SchedulerLoop:
 
         self._inbox.put(run)
         return done.result(timeout)
+
+    def spec_stats(self) -> dict[str, float]:
+        """Speculative decoding's running totals (for /metrics and get_server_info): verify
+        steps, the request rows in them that had drafts, their drafts, the tokens those
+        rows committed, and the average accept length (tokens per drafted row: accepted
+        drafts + 1, SGLang's `spec_accept_length`)."""
+        return {
+            "spec_verify_steps": self.verify_steps,
+            "spec_drafted_rows": self.spec_rows,
+            "spec_draft_tokens": self.spec_drafts,
+            "spec_committed_tokens": self.spec_tokens,
+            "spec_accept_length": self.spec_tokens / self.spec_rows if self.spec_rows else 0.0,
+        }
 
     def grammar_stats(self) -> dict[str, float]:
         """Constrained decoding's running totals (for /metrics and get_server_info): the
@@ -585,32 +604,51 @@ class SchedulerLoop:
             self._fail_step(launched.plan, exc)
             return
         self._failures_in_a_row = 0
-        outcome = self.core.commit(launched.plan.id, tokens)
+        if out.accept_lens is None:
+            outcome = self.core.commit(launched.plan.id, tokens)
+        else:  # a verify step: each request's accepted drafts and its next token
+            accept_lens = out.accept_lens.numpy()
+            outcome = self.core.commit_spec(launched.plan.id, tokens, accept_lens)
+            drafted = launched.plan.draft_lens > 0
+            self.verify_steps += 1
+            self.spec_rows += int(drafted.sum())
+            self.spec_drafts += int(launched.plan.draft_lens.sum())
+            self.spec_tokens += int(accept_lens[drafted].sum())
+        # Output row of each request's next token (one row per token of a verify step).
         index = None
         if out.sample.token_logprobs is not None:
-            index = {rid: i for i, rid in enumerate(launched.plan.rids.tolist())}
+            firsts = np.arange(len(tokens)) if out.accept_lens is None else None
+            if firsts is None:
+                lens = out.accept_lens.numpy()  # type: ignore[union-attr]
+                firsts = np.cumsum(lens) - lens
+            index = dict(zip(launched.plan.rids.tolist(), firsts.tolist(), strict=True))
         finished = {f.rid: f for f in outcome.finished}
-        updates = []
+        updates: list[TokenUpdate] = []
         rejected: list[Request] = []
+        # A request's tokens are adjacent (several after a verify step): one update each.
+        update: TokenUpdate | None = None
+        req: Request | None = None
         for core_id, token in zip(outcome.rids.tolist(), outcome.tokens.tolist(), strict=True):
-            req = self._requests[core_id]
+            if req is None or req.core_id != core_id:
+                self._end_update(req, update, finished, updates)
+                req = self._requests[core_id]
+                update = TokenUpdate(req.rid, [])
+                if not req.output_ids:
+                    update.cached_tokens = self._cached_tokens_of(req)
+                    update.queue_time = (req.scheduled or req.arrival) - req.arrival
+            assert update is not None
             if req.matcher is not None and not req.matcher.accept(token):
                 rejected.append(req)
                 req.matcher = None  # unusable now; its later rows go unmasked, then dropped
                 self._constrained -= 1
-            update = TokenUpdate(req.rid, [token])
-            if not req.output_ids:
-                update.cached_tokens = self._cached_tokens_of(req)
-                update.queue_time = (req.scheduled or req.arrival) - req.arrival
+            update.token_ids.append(token)
             req.output_ids.append(token)
             if index is not None and req.params.return_logprob:
-                update.logprobs = [_logprob_entry(out, index[core_id], req.params, token)]
-            f = finished.pop(core_id, None)
-            if f is not None:
-                self._forget(req)
-                update.finish = f.finish_reason
-                update.cached_tokens = f.cached_tokens
-            updates.append(update)
+                entry = _logprob_entry(out, index[core_id], req.params, token)
+                update.logprobs = [*(update.logprobs or []), entry]
+            if index is not None:
+                index[core_id] += 1
+        self._end_update(req, update, finished, updates)
         for f in finished.values():  # finished without a token this step
             done = self._requests.get(f.rid)
             if done is not None:
@@ -625,6 +663,23 @@ class SchedulerLoop:
             if self.core.abort(req.core_id, message) == "removed":
                 updates.append(self._complete(req, FinishReason.abort(message, 500), None))
         self.emit(updates)
+
+    def _end_update(
+        self,
+        req: Request | None,
+        update: TokenUpdate | None,
+        finished: dict[int, Finished],
+        updates: list[TokenUpdate],
+    ) -> None:
+        """Closes `req`'s update of this step: with its finish if the commit ended it."""
+        if req is None or update is None:
+            return
+        f = finished.pop(req.core_id, None)
+        if f is not None:
+            self._forget(req)
+            update.finish = f.finish_reason
+            update.cached_tokens = f.cached_tokens
+        updates.append(update)
 
     def _forget(self, req: Request) -> None:
         self._constrained -= req.matcher is not None

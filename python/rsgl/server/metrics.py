@@ -88,8 +88,15 @@ class ServerMetrics:
                 ("grammar_compile_seconds", "Seconds spent compiling grammars"),
                 ("grammar_mask_fills", "Steps that filled grammar masks"),
                 ("grammar_mask_seconds", "Seconds spent filling grammar masks"),
+                ("spec_verify_steps", "Steps that verified speculative drafts"),
+                ("spec_draft_tokens", "Draft tokens verified"),
+                ("spec_committed_tokens", "Tokens committed by request rows with drafts"),
             )
         }
+        self.spec_accept_length = gauge(
+            "rsgl_spec_accept_length",
+            "Average tokens committed per request row with drafts (accepted drafts + 1)",
+        )
         self.ranks_alive = Gauge(
             "rsgl_dp_ranks_alive", "Data-parallel ranks serving (of --dp-size)", labels, registry=r
         )
@@ -158,6 +165,7 @@ class ServerMetrics:
             throughput = (generated - seen["generated_tokens"]) / (now - last)
         self._stats_at[dp_rank], seen["generated_tokens"] = now, generated
         self.grammar_waiting.labels(*labels).set(stats.get("grammar_waiting", 0))
+        self.spec_accept_length.labels(*labels).set(stats.get("spec_accept_length", 0))
         for key, series in self.grammar_counters.items():
             total = float(stats.get(key, 0))
             if total > seen.get(key, 0):
@@ -198,6 +206,7 @@ class ServerMetrics:
             "cache_hit_rate",
             "gen_throughput",
             "grammar_waiting",
+            "spec_accept_length",
         ):
             getattr(self, name).remove(*labels)
         if self.sglang is not None:

@@ -87,6 +87,7 @@ def run_scheduler_process(
         stats["step_failures"] = loop.step_failures
         stats["rss_bytes"] = _rss_bytes()
         stats.update(loop.grammar_stats())
+        stats.update(loop.spec_stats())
         outbox.send(ipc.Stats(stats, dp_rank, token))
 
     def stats_timer() -> None:

@@ -1,0 +1,314 @@
+"""`rsgl bench speculative`: what verifying drafts costs, and what speculation gives.
+
+`--parts verify-cost` times one model step of B requests that each compute 1 + k tokens
+(their last token and k drafts, as a verify step does) against a plain decode step of the same
+B requests, for every batch size and k asked, in one process: the ratio is what a verify step
+costs relative to the decode it replaces, so k drafts pay when more than `ratio - 1` of them
+are accepted on average.
+
+    rsgl bench speculative --parts verify-cost --batches 1,4,16,64 --drafts 1,2,4,8
+
+`--parts workloads` serves a copy-heavy workload (`copy_heavy_messages`: passages, functions
+and JSON documents echoed with one edit) and a free-writing one (open questions) through two
+engines in one process, speculation off and on, greedy and at temperature 0.7 (seeded, so
+both engines emit the same tokens and only the time differs), at each concurrency: output
+tokens per second of each, their ratio, the average accept length and drafts per verify step.
+
+    rsgl bench speculative --parts workloads --concurrency 1,4,16,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import inspect
+import json
+import statistics
+import textwrap
+import time
+from importlib import resources
+from typing import Any
+
+import numpy as np
+import torch
+
+from rsgl._core import Plan
+from rsgl.bench.one_batch import DTYPES, _prefill_plan
+from rsgl.engine import Engine
+from rsgl.model_executor.model_runner import ModelRunner
+from rsgl.sampling_params import SamplingParams
+
+
+def _step_plan(batch: int, position: int, width: int, capacity: int, vocab: int) -> Plan:
+    """Each of `batch` requests (KV at `position` tokens) computes `width` tokens: a decode
+    step for width 1, a verify step of width - 1 drafts otherwise (random draft ids)."""
+    slots = np.arange(batch, dtype=np.int64)
+    cols = position + np.arange(width, dtype=np.int64)
+    kv = (1 + slots[:, None] * capacity + cols[None, :]).reshape(-1)
+    pos = np.full(batch, position, dtype=np.int64)
+    ids = np.random.default_rng(position).integers(100, vocab - 100, size=batch * width)
+    return Plan(
+        forward_mode="decode" if width == 1 else "extend",
+        rids=slots,
+        req_slots=slots,
+        prefix_lens=pos,
+        extend_lens=np.full(batch, width, dtype=np.int64),
+        seq_lens=pos + width,
+        input_ids=ids.astype(np.int64),
+        positions=np.tile(cols, batch),
+        out_cache_loc=kv,
+        write_rows=np.repeat(slots, width),
+        write_cols=np.tile(cols, batch),
+        write_slots=kv,
+    )
+
+
+# Stand-ins for free writing: open requests whose answers do not quote the prompt.
+FREE_WRITING_TOPICS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a refrigerator keeps food cold, for a ten-year-old.",
+    "Describe a walk through a busy market on a rainy morning.",
+    "Give advice to someone starting their first job as a teacher.",
+    "Write a letter from a sailor to his sister about life at sea.",
+    "Explain why the sky is blue and sunsets are red.",
+    "Describe the history of a small mountain village over one hundred years.",
+    "Write a dialogue between a chess player and her coach before a final.",
+    "Explain how to plan a vegetable garden for the first time.",
+    "Write a travel diary entry about crossing a desert by train.",
+    "Describe what a day in the life of a beekeeper looks like.",
+    "Write a speech for the opening of a new public library.",
+]
+
+
+def _passages() -> list[str]:
+    """Paragraphs of the text `rsgl bench quality` ships (written for rsgl)."""
+    text = resources.files("rsgl.bench").joinpath("quality_text.txt").read_text()
+    return [p.strip() for p in text.split("\n\n") if len(p.strip()) > 200]
+
+
+def _code_files() -> list[tuple[str, str]]:
+    """(function name, source) of standard-library functions of a few dozen lines."""
+    import json as json_module
+    import shutil
+    import textwrap as textwrap_module
+
+    found = []
+    for module in (json_module.encoder, shutil, textwrap_module):
+        for name, fn in inspect.getmembers(module, inspect.isfunction):
+            if fn.__module__ != module.__name__ or name.startswith("_"):
+                continue
+            source = inspect.getsource(fn)
+            if 12 <= source.count("\n") <= 45:
+                found.append((name, textwrap.dedent(source)))
+    return found
+
+
+def _json_document(rng: np.random.Generator) -> dict[str, object]:
+    """An order record with a few nested items (seeded)."""
+    words = ["alpha", "harbour", "copper", "meadow", "signal", "orbit", "lantern", "quartz"]
+    items = [
+        {
+            "sku": f"{words[int(rng.integers(len(words)))]}-{int(rng.integers(1000, 9999))}",
+            "quantity": int(rng.integers(1, 20)),
+            "unit_price": round(float(rng.uniform(1, 200)), 2),
+        }
+        for _ in range(int(rng.integers(3, 7)))
+    ]
+    return {
+        "order_id": int(rng.integers(100000, 999999)),
+        "customer": {"name": words[int(rng.integers(len(words)))].title(), "tier": "gold"},
+        "status": "pending",
+        "items": items,
+        "notes": "deliver to the side entrance",
+    }
+
+
+def copy_heavy_messages(count: int, seed: int = 0) -> list[list[dict[str, str]]]:
+    """Chat requests whose answers mostly quote the prompt: repeat a passage with one word
+    changed, rewrite a function with a name changed, echo a JSON document with one edit."""
+    rng = np.random.default_rng(seed)
+    passages, code = _passages(), _code_files()
+    out = []
+    for i in range(count):
+        kind = i % 3
+        if kind == 0:
+            text = passages[int(rng.integers(len(passages)))]
+            ask = (
+                "Copy the following passage exactly, but write 'harbor' instead of "
+                f"'harbour'.\n\n{text}"
+            )
+        elif kind == 1:
+            name, source = code[int(rng.integers(len(code)))]
+            ask = (
+                f"Rewrite this Python function in full, renaming `{name}` to "
+                f"`{name}_v2` and changing nothing else.\n\n```python\n{source}```"
+            )
+        else:
+            doc = json.dumps(_json_document(rng), indent=2)
+            ask = (
+                'Return this JSON document unchanged, except that "status" becomes '
+                f'"shipped".\n\n{doc}'
+            )
+        out.append([{"role": "user", "content": ask}])
+    return out
+
+
+def free_writing_messages(count: int, seed: int = 0) -> list[list[dict[str, str]]]:
+    """Chat requests whose answers are new text (ShareGPT-like open questions)."""
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(count) % len(FREE_WRITING_TOPICS)
+    return [[{"role": "user", "content": FREE_WRITING_TOPICS[int(i)]}] for i in order]
+
+
+def verify_cost(args: argparse.Namespace) -> list[dict[str, object]]:
+    """Median step time of B x (1 + k) tokens against B x 1, per batch size and k."""
+    batches = [int(b) for b in args.batches.split(",")]
+    drafts = [int(k) for k in args.drafts.split(",")]
+    steps = args.steps
+    capacity = args.input_len + steps * (1 + max(drafts))
+    runner = ModelRunner.from_pretrained(
+        args.model,
+        kv_buffer_size=1 + max(batches) * capacity,
+        max_running_requests=max(batches),
+        context_len=capacity + 1,
+        dtype=DTYPES[args.dtype],
+        quantization=args.quantization,
+    )
+    vocab = runner.config.vocab_size
+    params = SamplingParams(temperature=0.0, max_new_tokens=capacity, ignore_eos=True)
+    prompts = np.random.default_rng(args.seed).integers(
+        100, vocab - 100, size=(max(batches), args.input_len)
+    )
+    for slot in range(max(batches)):
+        runner.admit(slot, params, prompts[slot].tolist())
+    runner.step(_prefill_plan(prompts, capacity))
+    rows: list[dict[str, object]] = []
+    for batch in batches:
+        timings: dict[int, list[float]] = {w: [] for w in [1] + [1 + k for k in drafts]}
+        # Interleaved, so that a neighbour's burst slows every width alike; every step
+        # rewrites the same positions, so the context stays `input_len` long.
+        for _ in range(steps):
+            for width, times in timings.items():
+                plan = _step_plan(batch, args.input_len, width, capacity, vocab)
+                t0 = time.perf_counter()
+                runner.step(plan)
+                times.append(time.perf_counter() - t0)
+        decode = statistics.median(timings[1])
+        for k in drafts:
+            verify = statistics.median(timings[1 + k])
+            rows.append(
+                {
+                    "batch": batch,
+                    "drafts": k,
+                    "decode_ms": round(decode * 1e3, 3),
+                    "verify_ms": round(verify * 1e3, 3),
+                    "verify_vs_decode": round(verify / decode, 3),
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _serve_wave(
+    engine: Engine, messages: list[list[dict[str, str]]], params: dict[str, Any], concurrency: int
+) -> tuple[float, int]:
+    """Seconds to serve every request with at most `concurrency` in flight, and the
+    completion tokens."""
+
+    def one(i: int) -> int:
+        p = dict(params, seed=params["seed"] + i) if "seed" in params else params
+        out = engine.generate(messages=messages[i], sampling_params=p)
+        return int(out["meta_info"]["completion_tokens"])
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        tokens = sum(pool.map(one, range(len(messages))))
+    return time.perf_counter() - t0, tokens
+
+
+def workloads(args: argparse.Namespace) -> list[dict[str, object]]:
+    """Output tok/s with speculation off and on, per workload, temperature and concurrency."""
+    options: dict[str, Any] = {"dtype": args.dtype, "max_total_tokens": args.max_total_tokens}
+    if args.quantization:
+        options["quantization"] = args.quantization
+    spec_options = {
+        "speculative_algorithm": "NGRAM",
+        "speculative_num_draft_tokens": args.num_draft_tokens,
+        "speculative_ngram_min_match_window_size": args.ngram_min,
+    }
+    plain, spec = Engine(**options), Engine(**options, **spec_options)
+    rows: list[dict[str, object]] = []
+    try:
+        for name, make in (("copy", copy_heavy_messages), ("free", free_writing_messages)):
+            for temperature in (0.0, 0.7):
+                params: dict[str, Any] = {
+                    "temperature": temperature,
+                    "max_new_tokens": args.output_len,
+                }
+                if temperature:
+                    params["seed"] = args.seed
+                for concurrency in [int(c) for c in args.concurrency.split(",")]:
+                    messages = make(max(concurrency, args.min_requests), args.seed)
+                    _serve_wave(plain, messages[:1], dict(params, max_new_tokens=4), 1)
+                    off_s, off_tokens = _serve_wave(plain, messages, params, concurrency)
+                    before = spec.get_server_info()["speculative"]
+                    on_s, on_tokens = _serve_wave(spec, messages, params, concurrency)
+                    after = spec.get_server_info()["speculative"]
+                    delta = {k: after[k] - before[k] for k in after}
+                    drafted = delta["spec_drafted_rows"]
+                    verify = delta["spec_verify_steps"]
+                    rows.append(
+                        {
+                            "workload": name,
+                            "temperature": temperature,
+                            "concurrency": concurrency,
+                            "requests": len(messages),
+                            "off_tok_s": round(off_tokens / off_s, 1),
+                            "on_tok_s": round(on_tokens / on_s, 1),
+                            "ratio": round((on_tokens / on_s) / (off_tokens / off_s), 3),
+                            "same_tokens": on_tokens == off_tokens,
+                            "accept_length": round(
+                                delta["spec_committed_tokens"] / drafted if drafted else 0, 3
+                            ),
+                            "drafts_per_verify_step": round(
+                                delta["spec_draft_tokens"] / verify if verify else 0, 2
+                            ),
+                        }
+                    )
+                    print(json.dumps(rows[-1]), flush=True)
+    finally:
+        plain.shutdown()
+        spec.shutdown()
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of `rsgl bench speculative`."""
+    parser = argparse.ArgumentParser(prog="rsgl bench speculative", description=__doc__)
+    parser.add_argument("--parts", default="verify-cost,workloads")
+    parser.add_argument("--model", default=None, help="model dir or .gguf (default: SmolLM2)")
+    parser.add_argument("--batches", default="1,4,16,64")
+    parser.add_argument("--drafts", default="1,2,4,8", help="draft counts k to time")
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=15, help="timed steps per shape")
+    parser.add_argument("--dtype", default="auto", choices=list(DTYPES), help="model dtype")
+    parser.add_argument("--quantization", default=None, choices=["gguf", "int8", "int4", "none"])
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--concurrency", default="1,4,16,64", help="workloads: in flight")
+    parser.add_argument("--min-requests", type=int, default=4, help="workloads: per cell")
+    parser.add_argument("--output-len", type=int, default=128, help="workloads: max tokens")
+    parser.add_argument("--num-draft-tokens", type=int, default=5, help="workloads: spec on")
+    parser.add_argument("--ngram-min", type=int, default=1, help="workloads: min window")
+    parser.add_argument("--max-total-tokens", type=int, default=65536)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    parts = args.parts.split(",")
+    if unknown := set(parts) - {"verify-cost", "workloads"}:
+        parser.error(f"unknown parts {sorted(unknown)}: expected verify-cost, workloads")
+    if "verify-cost" in parts:
+        verify_cost(args)
+    if "workloads" in parts:
+        workloads(args)
+    return 0

@@ -1,0 +1,141 @@
+"""Speculative decoding end to end (rsgl.Engine on the embedded SmolLM2, float32): NGRAM
+drafts verified in one forward change no greedy token and no seeded sampled token, drafts
+are accepted on text that quotes its prompt, finishes and logprobs behave as without
+speculation, and the core's bookkeeping is intact after every run."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import rsgl
+from rsgl.bench.speculative import copy_heavy_messages
+from rsgl.engine import Engine
+
+SPEC = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 5}
+PROMPTS = [
+    "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+    "Write one sentence about the ocean.",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):",
+    "List three facts about coffee:\n1.",
+    "The cat sat on the mat. The dog sat on the log. The cat sat on",
+]
+
+
+def make_engine(**options: Any) -> Engine:
+    options.setdefault("dtype", "float32")
+    options.setdefault("max_total_tokens", 16384)
+    return rsgl.Engine(**options)
+
+
+@pytest.fixture(scope="module")
+def plain() -> Iterator[Engine]:
+    with make_engine() as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def spec() -> Iterator[Engine]:
+    with make_engine(**SPEC) as llm:
+        yield llm
+
+
+def _spec(engine: Engine) -> dict[str, float]:
+    stats: dict[str, float] = engine.get_server_info()["speculative"]
+    return stats
+
+
+def _ids(outs: list[dict[str, Any]]) -> list[list[int]]:
+    return [o["output_ids"] for o in outs]
+
+
+def test_greedy_tokens_are_the_same_with_speculation(plain: Engine, spec: Engine) -> None:
+    params = {"temperature": 0.0, "max_new_tokens": 48}
+    before = _spec(spec)
+    assert _ids(spec.generate(PROMPTS, params)) == _ids(plain.generate(PROMPTS, params))
+    after = _spec(spec)
+    rows = after["spec_drafted_rows"] - before["spec_drafted_rows"]
+    assert rows > 0  # drafts were verified
+    assert after["spec_committed_tokens"] - before["spec_committed_tokens"] > rows  # accepted
+    spec.check_integrity()
+
+
+def test_one_request_at_a_time_gives_the_same_tokens(plain: Engine, spec: Engine) -> None:
+    params = {"temperature": 0.0, "max_new_tokens": 40}
+    for prompt in PROMPTS[:3]:
+        assert (
+            spec.generate(prompt, params)["output_ids"]
+            == (plain.generate(prompt, params)["output_ids"])
+        )
+    spec.check_integrity()
+
+
+def test_copy_heavy_chat_accepts_most_drafts(plain: Engine, spec: Engine) -> None:
+    messages = copy_heavy_messages(3, seed=1)
+    params = {"temperature": 0.0, "max_new_tokens": 64}
+    before = _spec(spec)
+    got = spec.generate(messages=messages, sampling_params=params)
+    assert _ids(got) == _ids(plain.generate(messages=messages, sampling_params=params))
+    after = _spec(spec)
+    rows = after["spec_drafted_rows"] - before["spec_drafted_rows"]
+    tokens = after["spec_committed_tokens"] - before["spec_committed_tokens"]
+    # Each verified request row committed well over its one plain token on average.
+    assert tokens / rows > 1.5
+    spec.check_integrity()
+
+
+def test_seeded_sampling_gives_the_same_tokens(plain: Engine, spec: Engine) -> None:
+    params = [
+        {"temperature": 0.7, "top_p": 0.9, "seed": 7 + i, "max_new_tokens": 40}
+        for i in range(len(PROMPTS))
+    ]
+    assert _ids(spec.generate(PROMPTS, params)) == _ids(plain.generate(PROMPTS, params))
+    spec.check_integrity()
+
+
+def test_penalties_and_bias_match(plain: Engine, spec: Engine) -> None:
+    params = {
+        "temperature": 0.0,
+        "max_new_tokens": 40,
+        "frequency_penalty": 0.5,
+        "presence_penalty": 0.3,
+        "repetition_penalty": 1.2,
+        "min_new_tokens": 30,
+    }
+    assert _ids(spec.generate(PROMPTS, params)) == _ids(plain.generate(PROMPTS, params))
+    spec.check_integrity()
+
+
+def test_finishes_cut_an_accepted_run(plain: Engine, spec: Engine) -> None:
+    prompt = PROMPTS[1]
+    for params in (
+        {"temperature": 0.0, "max_new_tokens": 7},
+        {"temperature": 0.0, "max_new_tokens": 40, "stop": [" 16,"]},
+        {"temperature": 0.0, "max_new_tokens": 40, "stop_token_ids": [1135]},
+    ):
+        a, b = spec.generate(prompt, params), plain.generate(prompt, params)
+        assert a["text"] == b["text"]
+        assert a["output_ids"] == b["output_ids"]
+        assert a["meta_info"]["finish_reason"] == b["meta_info"]["finish_reason"]
+        assert a["meta_info"]["completion_tokens"] == b["meta_info"]["completion_tokens"]
+    spec.check_integrity()
+
+
+def test_logprobs_of_accepted_tokens(plain: Engine, spec: Engine) -> None:
+    params = {
+        "temperature": 0.0,
+        "max_new_tokens": 32,
+        "return_logprob": True,
+        "top_logprobs_num": 3,
+    }
+    a, b = spec.generate(PROMPTS[0], params), plain.generate(PROMPTS[0], params)
+    assert a["output_ids"] == b["output_ids"]
+    got, want = a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]
+    assert len(got) == len(want) == len(a["output_ids"])
+    for (lp, tok, _), (lp_want, tok_want, _) in zip(got, want, strict=True):
+        assert tok == tok_want
+        assert lp == pytest.approx(lp_want, abs=1e-3)
+    spec.check_integrity()
