@@ -193,6 +193,13 @@ class Scheduler:
         """Plans the next step (an "idle" plan when there is nothing to do)."""
     def commit(self, plan_id: int, next_token_ids: Sequence[int] | _I64) -> Outcome:
         """Applies a step's sampled tokens (one per request of the plan, in plan order)."""
+    def set_draft_limit(self, limit: int) -> None:
+        """Caps the drafts per request of the steps planned from now on (0: no speculation)."""
+    @property
+    def draft_limit(self) -> int:
+        """The drafts per request a step may carry now (configured and `set_draft_limit`)."""
+    def disable_speculation(self, rid: int) -> bool:
+        """Stops a request from speculating; false when there is no such live request."""
     def commit_spec(
         self, plan_id: int, tokens: Sequence[int] | _I64, accept_lens: Sequence[int] | _I64
     ) -> Outcome:

@@ -5,6 +5,7 @@ speculation, and the core's bookkeeping is intact after every run."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -139,3 +140,25 @@ def test_logprobs_of_accepted_tokens(plain: Engine, spec: Engine) -> None:
         assert tok == tok_want
         assert lp == pytest.approx(lp_want, abs=1e-3)
     spec.check_integrity()
+
+
+def test_constrained_requests_do_not_speculate_and_stay_legal(plain: Engine, spec: Engine) -> None:
+    # A constrained request beside drafting ones: its mask of each position depends on the
+    # tokens before it, so it takes one token per step (never an illegal draft).
+    pattern = r"(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, )+(11|12)"
+    params = [
+        {"temperature": 0.0, "max_new_tokens": 48},
+        {"temperature": 0.0, "max_new_tokens": 48, "regex": pattern},
+        {"temperature": 0.0, "max_new_tokens": 48},
+    ]
+    prompts = [PROMPTS[1], PROMPTS[1], PROMPTS[0]]
+    got = spec.generate(prompts, params)
+    assert _ids(got) == _ids(plain.generate(prompts, params))
+    if got[1]["meta_info"]["finish_reason"]["type"] == "stop":
+        assert re.fullmatch(pattern, got[1]["text"])
+    spec.check_integrity()
+
+
+def test_adaptive_policy_reports_its_limit(spec: Engine) -> None:
+    stats = _spec(spec)
+    assert stats["spec_draft_limit"] in (0, SPEC["speculative_num_draft_tokens"] - 1)

@@ -113,7 +113,17 @@ pub struct Request {
     /// Draft tokens of the in-flight speculative step (0: none). Such a request is not
     /// planned again before that step commits: its next position depends on the acceptance.
     pub drafts_in_flight: usize,
+    /// Whether the request may speculate (false: a grammar decides its tokens one by one).
+    pub may_speculate: bool,
+    /// Decode steps left before the request drafts again, and the pause the next all-rejected
+    /// verify sets (one step longer each time up to [`MAX_SPEC_PAUSE`], back to 0 once a
+    /// draft is accepted).
+    pub spec_pause_left: u32,
+    pub spec_pause: u32,
 }
+
+/// Longest pause, in decode steps, after verifies whose drafts were all rejected.
+pub const MAX_SPEC_PAUSE: u32 = 16;
 
 impl Request {
     /// A new waiting request.
@@ -139,6 +149,9 @@ impl Request {
             drafter: None,
             draft: Vec::new(),
             drafts_in_flight: 0,
+            may_speculate: true,
+            spec_pause_left: 0,
+            spec_pause: 0,
         }
     }
 

@@ -374,7 +374,7 @@ impl Driver {
         }
         assert_eq!(plan.draft_lens.len(), plan.rids.len());
         let cfg = self.s.config();
-        let k_max = cfg.spec_num_draft_tokens.saturating_sub(1) as i64;
+        let k_max = self.s.draft_limit() as i64;
         let mut offset = 0;
         for (i, &k) in plan.draft_lens.iter().enumerate() {
             assert!(k <= k_max);
@@ -696,20 +696,7 @@ fn a_repetitive_request_accepts_drafts() {
     };
     let s = Scheduler::new(cfg).unwrap();
     let prompt: Vec<u32> = vec![3, 5, 7, 3, 5];
-    let mut d = Driver {
-        exec: Executor::new(&s),
-        s,
-        accept: Accept::Model,
-        rng: 1,
-        overlap: false,
-        inflight: Vec::new(),
-        outputs: HashMap::new(),
-        finished: HashMap::new(),
-        limits: HashMap::new(),
-        prompts: HashMap::new(),
-        next_rid: 1,
-        drafted: 0,
-    };
+    let mut d = serial_driver(s, Accept::Model, 1);
     let limits = SamplingLimits {
         max_new_tokens: 60,
         ignore_eos: true,
@@ -742,20 +729,8 @@ fn a_retracted_request_resumes_with_the_same_tokens() {
             ..SchedulerConfig::default()
         };
         let s = Scheduler::new(cfg).unwrap();
-        let mut d = Driver {
-            exec: Executor::new(&s),
-            s,
-            accept,
-            rng: 5,
-            overlap: false,
-            inflight: Vec::new(),
-            outputs: HashMap::new(),
-            finished: HashMap::new(),
-            limits: HashMap::new(),
-            prompts: HashMap::new(),
-            next_rid: 0,
-            drafted: 0,
-        };
+        let mut d = serial_driver(s, accept, 5);
+        d.next_rid = 0;
         for rid in 0..4u64 {
             let prompt: Vec<u32> = (0..12).map(|i| 1 + ((rid * 3 + i) % 4) as u32).collect();
             let limits = SamplingLimits {
@@ -826,4 +801,83 @@ fn commit_spec_checks_its_arguments() {
     assert_eq!(s.request(1).unwrap().kv_len(), 6);
     assert_eq!(s.stats().available, before.available + 3);
     s.check().unwrap();
+}
+
+/// A driver without overlap over `s`.
+fn serial_driver(s: Scheduler, accept: Accept, rng: u64) -> Driver {
+    Driver {
+        exec: Executor::new(&s),
+        s,
+        accept,
+        rng,
+        overlap: false,
+        inflight: Vec::new(),
+        outputs: HashMap::new(),
+        finished: HashMap::new(),
+        limits: HashMap::new(),
+        prompts: HashMap::new(),
+        next_rid: 1,
+        drafted: 0,
+    }
+}
+
+/// Runs request 0 (`prompt`, 40 tokens) to the end with `accept`, after `prepare`; returns
+/// the draft tokens planned and the step count.
+fn drafting_run(
+    prompt: &[u32],
+    accept: Accept,
+    prepare: impl FnOnce(&mut Scheduler),
+) -> (u64, usize) {
+    let cfg = SchedulerConfig {
+        max_total_tokens: 512,
+        context_len: 256,
+        spec_num_draft_tokens: 5,
+        eos_token_ids: vec![EOS],
+        ..SchedulerConfig::default()
+    };
+    let s = Scheduler::new(cfg).unwrap();
+    let mut d = serial_driver(s, accept, 1);
+    let limits = SamplingLimits {
+        max_new_tokens: 40,
+        ignore_eos: true,
+        ..SamplingLimits::default()
+    };
+    d.s.add_request(0, prompt.to_vec(), limits).unwrap();
+    d.exec.seqs.insert(0, prompt.to_vec());
+    prepare(&mut d.s);
+    let mut steps = 0;
+    while d.s.has_work() {
+        d.step();
+        steps += 1;
+    }
+    assert_eq!(d.outputs[&0], reference(prompt, 40, true));
+    (d.s.stats().counters.draft_tokens, steps)
+}
+
+/// A request barred from speculating (a grammar's) and a draft limit of 0 plan no drafts; a
+/// limit caps every draft; drafts that are always rejected back off (fewer verifies).
+#[test]
+fn speculation_can_be_refused_capped_and_backs_off() {
+    let prompt: Vec<u32> = vec![3, 5, 7, 3, 5];
+    let (free, fast) = drafting_run(&prompt, Accept::Model, |_| {});
+    assert!(free > 0);
+    let (barred, slow) = drafting_run(&prompt, Accept::Model, |s| {
+        assert!(s.disable_speculation(0));
+        assert!(!s.disable_speculation(99));
+    });
+    assert_eq!(barred, 0);
+    assert!(fast < slow, "{fast} steps speculating, {slow} without");
+    let (off, _) = drafting_run(&prompt, Accept::Model, |s| s.set_draft_limit(0));
+    assert_eq!(off, 0);
+    let (capped, _) = drafting_run(&prompt, Accept::Model, |s| {
+        s.set_draft_limit(1);
+        assert_eq!(s.draft_limit(), 1);
+    });
+    assert!(capped > 0 && capped <= 40);
+    // Every draft rejected: without the pause each of the 39 decode steps would verify 4.
+    let (rejected, _) = drafting_run(&prompt, Accept::None, |_| {});
+    assert!(
+        rejected > 0 && rejected < 4 * 12,
+        "{rejected} drafts verified"
+    );
 }

@@ -38,6 +38,7 @@ from rsgl.model_executor.model_runner import StepOutput
 from rsgl.outputs import TokenUpdate
 from rsgl.sampling_params import SamplingParams
 from rsgl.scheduler.fault_injection import FaultInjector, InjectedFault
+from rsgl.speculative.policy import DraftPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,7 @@ class _Launched:
     plan: Plan
     result: LaunchedStep
     mask: StepMask | None = None
+    launched_at: float = 0.0
 
 
 class StepFailed(RuntimeError):
@@ -167,6 +169,10 @@ class SchedulerLoop:
         self.spec_rows = 0
         self.spec_drafts = 0
         self.spec_tokens = 0
+        # Whether each step drafts, chosen from measured costs (None: not speculating).
+        self.draft_policy = None
+        if core.draft_limit > 0:
+            self.draft_policy = DraftPolicy(core.draft_limit)
         self.step_failures = 0
         self._failures_in_a_row = 0
         self._faults = FaultInjector.from_env()
@@ -215,6 +221,7 @@ class SchedulerLoop:
             "spec_draft_tokens": self.spec_drafts,
             "spec_committed_tokens": self.spec_tokens,
             "spec_accept_length": self.spec_tokens / self.spec_rows if self.spec_rows else 0.0,
+            "spec_draft_limit": self.core.draft_limit,
         }
 
     def grammar_stats(self) -> dict[str, float]:
@@ -319,6 +326,9 @@ class SchedulerLoop:
             ignore_eos=params.ignore_eos and matcher is None,
             priority=priority,
         )
+        if matcher is not None:
+            # Its mask of each position depends on the tokens before it: no drafts.
+            self.core.disable_speculation(core_id)
         self._next_core_id += 1
         req = Request(rid, core_id, prompt_ids, params, matcher=matcher)
         self._constrained += matcher is not None
@@ -443,6 +453,8 @@ class SchedulerLoop:
                 self._drain_inbox(block=idle, timeout=self._expire_compiles())
                 if self._stopping:
                     break
+                if self.draft_policy is not None:
+                    self.core.set_draft_limit(self.draft_policy.draft_limit())
                 plan = self.core.schedule()
                 nxt = None
                 if plan.forward_mode != "idle":
@@ -455,7 +467,7 @@ class SchedulerLoop:
                             prepared, a, f, m
                         ),
                     )
-                    nxt = _Launched(plan, result, mask)
+                    nxt = _Launched(plan, result, mask, time.perf_counter())
                     self.steps += 1
                 if launched is not None:
                     self._process(launched)
@@ -614,6 +626,14 @@ class SchedulerLoop:
             self.spec_rows += int(drafted.sum())
             self.spec_drafts += int(launched.plan.draft_lens.sum())
             self.spec_tokens += int(accept_lens[drafted].sum())
+        plan = launched.plan
+        if self.draft_policy is not None and plan.forward_mode == "decode":
+            self.draft_policy.observe(
+                len(plan.rids),
+                drafted=bool(plan.draft_lens.any()),
+                seconds=time.perf_counter() - launched.launched_at,
+                tokens=len(outcome.tokens),
+            )
         # Output row of each request's next token (one row per token of a verify step).
         index = None
         if out.sample.token_logprobs is not None:

@@ -226,6 +226,22 @@ impl PyScheduler {
         outcome_to_py(py, out)
     }
 
+    /// Caps the drafts per request of the steps planned from now on (0: no speculation).
+    fn set_draft_limit(&mut self, limit: usize) {
+        self.inner.set_draft_limit(limit);
+    }
+
+    /// The drafts per request a step may carry now (configured and `set_draft_limit`).
+    #[getter]
+    fn draft_limit(&self) -> usize {
+        self.inner.draft_limit()
+    }
+
+    /// Stops a request from speculating; false when there is no such live request.
+    fn disable_speculation(&mut self, rid: u64) -> bool {
+        self.inner.disable_speculation(rid)
+    }
+
     /// Aborts a request: returns "removed" (released now), "deferred" (a later commit reports
     /// it) or "unknown".
     #[pyo3(signature = (rid, message="aborted by the client".to_string()))]

@@ -155,6 +155,16 @@ impl Scheduler {
                 kept = run.len().min(appended + 1);
                 self.counters.generated_tokens += appended as u64;
                 self.counters.accepted_draft_tokens += run.len() as u64 - 1;
+                if e.draft_len > 0 {
+                    // Drafts that keep failing cost a verify each: pause them, longer each
+                    // time, until one is accepted again.
+                    if run.len() == 1 {
+                        req.spec_pause = (req.spec_pause + 1).min(MAX_SPEC_PAUSE);
+                        req.spec_pause_left = req.spec_pause;
+                    } else {
+                        req.spec_pause = 0;
+                    }
+                }
             }
         }
         if e.draft_len > 0 {

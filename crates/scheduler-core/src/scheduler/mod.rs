@@ -31,7 +31,7 @@ use crate::drafter::MAX_WINDOW;
 use crate::policy::{self, Candidate, Policy, SplitMix64};
 use crate::pool::{ReqSlotPool, Slot, TokenPool};
 use crate::radix::{NodeId, RadixTree, ROOT};
-use crate::request::{FinishReason, ReqState, Request, Rid, SamplingLimits};
+use crate::request::{FinishReason, ReqState, Request, Rid, SamplingLimits, MAX_SPEC_PAUSE};
 
 /// Input-token placeholder: "the token most recently sampled for this request slot".
 pub const FUTURE_TOKEN: i64 = -1;
@@ -73,6 +73,9 @@ pub struct Scheduler {
     arrivals: u64,
     counters: Counters,
     scratch: Vec<Slot>,
+    /// Most drafts per request the caller allows now (`set_draft_limit`; at most the
+    /// configured `max_drafts`): how an adaptive caller turns speculation down or off.
+    draft_limit: usize,
 }
 
 impl Scheduler {
@@ -128,6 +131,7 @@ impl Scheduler {
             arrivals: 0,
             counters: Counters::default(),
             scratch: Vec::new(),
+            draft_limit: usize::MAX,
             cfg,
         })
     }

@@ -8,8 +8,29 @@ impl Scheduler {
     /// Proposes drafts (`Request::draft`) for the requests of `reqs` whose last token is
     /// committed, capped so that the `1 + k` tokens a step may commit stay within the
     /// request's `max_new_tokens` and the context. Speculation off: nothing.
+    /// Caps the drafts per request of the steps planned from now on (0: none; values above
+    /// the configured `spec_num_draft_tokens - 1` mean that).
+    pub fn set_draft_limit(&mut self, limit: usize) {
+        self.draft_limit = limit;
+    }
+
+    /// The drafts per request a step may carry now.
+    pub fn draft_limit(&self) -> usize {
+        self.cfg.max_drafts().min(self.draft_limit)
+    }
+
+    /// Stops request `rid` from speculating (its tokens must be checked one at a time, as a
+    /// grammar does); false when no such live request.
+    pub fn disable_speculation(&mut self, rid: Rid) -> bool {
+        let Some(&idx) = self.by_rid.get(&rid) else {
+            return false;
+        };
+        self.req_mut(idx).may_speculate = false;
+        true
+    }
+
     pub(super) fn propose_drafts(&mut self, reqs: &[usize]) {
-        let k_max = self.cfg.max_drafts();
+        let k_max = self.cfg.max_drafts().min(self.draft_limit);
         if k_max == 0 {
             return;
         }
@@ -23,6 +44,13 @@ impl Scheduler {
             req.draft.clear();
             if req.pending_tokens > 0 || req.kv_len() + 1 != req.fill_len() {
                 continue; // its last token is still in flight
+            }
+            if !req.may_speculate {
+                continue;
+            }
+            if req.spec_pause_left > 0 {
+                req.spec_pause_left -= 1; // its recent drafts were all rejected
+                continue;
             }
             let k = k_max
                 .min(req.remaining_new_tokens().saturating_sub(1))
