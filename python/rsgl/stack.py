@@ -288,7 +288,9 @@ def build_core(
         schedule_policy=args.schedule_policy,
         schedule_conservativeness=args.schedule_conservativeness,
         disable_radix_cache=args.disable_radix_cache,
-        enable_mixed_chunk=args.enable_mixed_chunk,
+        # A mixed step's prefill rows are no verify rows: speculation decodes in decode
+        # steps only (SGLang forces mixed chunks off with speculation too).
+        enable_mixed_chunk=args.enable_mixed_chunk and not args.speculates,
         eos_token_ids=list(config.eos_token_ids),
         seed=args.seed,
         spec_num_draft_tokens=args.speculative_num_draft_tokens if args.speculates else 0,

@@ -162,3 +162,12 @@ def test_constrained_requests_do_not_speculate_and_stay_legal(plain: Engine, spe
 def test_adaptive_policy_reports_its_limit(spec: Engine) -> None:
     stats = _spec(spec)
     assert stats["spec_draft_limit"] in (0, SPEC["speculative_num_draft_tokens"] - 1)
+
+
+def test_speculation_turns_mixed_chunks_off(plain: Engine) -> None:
+    # A mixed step's prefill rows are no verify rows (a non-final chunk samples nothing).
+    with make_engine(enable_mixed_chunk=True, chunked_prefill_size=16, **SPEC) as llm:
+        assert llm.core.config["enable_mixed_chunk"] is False
+        params = {"temperature": 0.0, "max_new_tokens": 32, "frequency_penalty": 0.4}
+        assert _ids(llm.generate(PROMPTS, params)) == _ids(plain.generate(PROMPTS, params))
+        llm.check_integrity()
