@@ -136,9 +136,14 @@ def test_logprobs_of_accepted_tokens(plain: Engine, spec: Engine) -> None:
     assert a["output_ids"] == b["output_ids"]
     got, want = a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]
     assert len(got) == len(want) == len(a["output_ids"])
-    for (lp, tok, _), (lp_want, tok_want, _) in zip(got, want, strict=True):
-        assert tok == tok_want
-        assert lp == pytest.approx(lp_want, abs=1e-3)
+    assert [e["token_id"] for e in got] == a["output_ids"]
+    for entry, entry_want in zip(got, want, strict=True):
+        assert entry["token_id"] == entry_want["token_id"]
+        assert entry["logprob"] == pytest.approx(entry_want["logprob"], abs=1e-3)
+        top = [(t["token_id"], t["logprob"]) for t in entry["top_logprobs"]]
+        top_want = [(t["token_id"], t["logprob"]) for t in entry_want["top_logprobs"]]
+        assert [t for t, _ in top] == [t for t, _ in top_want]
+        assert [lp for _, lp in top] == pytest.approx([lp for _, lp in top_want], abs=1e-3)
     spec.check_integrity()
 
 
@@ -148,12 +153,17 @@ def test_constrained_requests_do_not_speculate_and_stay_legal(plain: Engine, spe
     pattern = r"(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, )+(11|12)"
     params = [
         {"temperature": 0.0, "max_new_tokens": 48},
-        {"temperature": 0.0, "max_new_tokens": 48, "regex": pattern},
+        {"temperature": 0.0, "max_new_tokens": 48, "regex": pattern, "return_logprob": True},
         {"temperature": 0.0, "max_new_tokens": 48},
     ]
     prompts = [PROMPTS[1], PROMPTS[1], PROMPTS[0]]
-    got = spec.generate(prompts, params)
-    assert _ids(got) == _ids(plain.generate(prompts, params))
+    got, want = spec.generate(prompts, params), plain.generate(prompts, params)
+    assert _ids(got) == _ids(want)
+    # Its logprobs are the model's (before the mask), as without speculation.
+    lps = [e["logprob"] for e in got[1]["meta_info"]["output_token_logprobs"]]
+    lps_want = [e["logprob"] for e in want[1]["meta_info"]["output_token_logprobs"]]
+    assert len(lps) == len(got[1]["output_ids"])
+    assert lps == pytest.approx(lps_want, abs=1e-3)
     if got[1]["meta_info"]["finish_reason"]["type"] == "stop":
         assert re.fullmatch(pattern, got[1]["text"])
     spec.check_integrity()

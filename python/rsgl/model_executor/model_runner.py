@@ -363,11 +363,10 @@ class ModelRunner:
         step masks it."""
         drafts, draft_index = batch.draft_lens_host, batch.draft_index
         assert drafts is not None and draft_index is not None
+        raw = logits  # logprobs are the model's, before any mask
         if vocab_mask is not None:
             firsts = np.cumsum(drafts + 1) - (drafts + 1)  # each request's first row
-            if self.sampling.return_logprob[batch.req_slots_host].any():
-                logits = logits.clone()  # logprobs are the model's, before the mask
-            logits = logits.float()
+            logits = logits.float().clone()
             apply_token_bitmask(logits, firsts[vocab_mask.rows], vocab_mask.wait())
         accepted = accept_drafts(
             logits,
@@ -377,6 +376,7 @@ class ModelRunner:
             self.sampling,
             self.sampler,
             batch.seq_lens_host - drafts,
+            raw_logits=raw,
         )
         record_accepted(self.sampling, batch.req_slots_host, accepted)
         self.future_map.store(batch.req_slots, accepted.last_token_ids)

@@ -190,6 +190,7 @@ def accept_drafts(
     state: SlotSamplingState,
     sampler: Sampler,
     seq_lens: np.ndarray,
+    raw_logits: torch.Tensor | None = None,
 ) -> Accepted:
     """Accepts each request's longest valid draft prefix and adds one token after it.
 
@@ -200,6 +201,9 @@ def accept_drafts(
     row j samples at position seq_lens[i] + j. draft_tokens: [sum(k_i)] int64 on the
     device, request after request. The requests are decode requests (every row is an
     output) and distinct; none is under a grammar.
+
+    `raw_logits` (default: `logits`): the rows logprobs are reported from, when `logits`
+    were masked (a grammar's rows): logprobs are the model's, as in a plain step.
 
     Syncs with the device once (to size the flat output). The state is not updated: call
     `record_accepted` with the result.
@@ -224,7 +228,8 @@ def accept_drafts(
     tokens = candidates[index]
     sample = SampleOutput(next_token_ids=tokens)
     if state.return_logprob[req_slots].any():
-        _add_logprobs(sample, logits[index], state, req_slots, rows.slots[index])
+        raw = logits if raw_logits is None else raw_logits
+        _add_logprobs(sample, raw[index], state, req_slots, rows.slots[index])
     accept_lens = accepted + 1
     return Accepted(
         sample=sample,
