@@ -20,6 +20,7 @@ from rsgl.errors import InvalidRequest
 
 SCHEMAS: dict[str, Any] = load_corpus()
 BACKENDS = ("xgrammar", "llguidance")
+NEAR_TIE = 0.125
 
 # Constraints a random walk ends quickly in (the null model picks uniformly among the
 # allowed tokens, so an open string would run to max_new_tokens).
@@ -195,7 +196,26 @@ def test_one_at_a_time_equals_batched_with_free_requests_beside(smol: Engine) ->
     free = {"temperature": 0, "max_new_tokens": 24}
     batch = smol.generate(prompts[:4] + ["Tell me a story"], [*greedy, free], use_tqdm=False)
     alone = [smol.generate(p, g) for p, g in zip(prompts[:4], greedy, strict=True)]
-    assert [o["output_ids"] for o in batch[:4]] == [o["output_ids"] for o in alone]
+    for prompt, together, by_itself in zip(prompts[:4], batch, alone, strict=False):
+        assert_same_or_tied(smol, prompt, together["output_ids"], by_itself["output_ids"])
     # The free request in the batch is what it is without any grammar beside it.
-    assert batch[4]["output_ids"] == smol.generate("Tell me a story", free)["output_ids"]
+    story = smol.generate("Tell me a story", free)["output_ids"]
+    assert_same_or_tied(smol, "Tell me a story", batch[4]["output_ids"], story)
     smol.check_integrity()
+
+
+def assert_same_or_tied(engine: Engine, prompt: str, got: list[int], want: list[int]) -> None:
+    """Greedy outputs equal up to a near-tie. Five rows and one row may run different
+    kernels (bfloat16 blocks for a few rows, dequantized matmuls for more), so two tokens
+    whose logits round to within a bfloat16 step of each other may swap; a mask leaking
+    between requests would pick a token far from the best, or an illegal one."""
+    if got == want:
+        return
+    i = next(i for i, (x, y) in enumerate(zip(got, want, strict=False)) if x != y)
+    ids = engine.tokenizer(prompt)["input_ids"] + got[:i]
+    probe = {"max_new_tokens": 1, "return_logprob": True, "token_ids_logprob": [got[i], want[i]]}
+    out = engine.generate(input_ids=ids, sampling_params=probe)
+    both = out["meta_info"]["output_token_logprobs"][0]["token_ids_logprob"]
+    gap = abs(both[0]["logprob"] - both[1]["logprob"])
+    # 1/8 is a bfloat16 step at the logits' scale (16 to 32); float32 ties are far closer.
+    assert gap <= NEAR_TIE, f"token {i}: {got[i]} vs {want[i]} are {gap:.3g} apart"
