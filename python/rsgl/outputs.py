@@ -28,6 +28,39 @@ class TokenUpdate(msgspec.Struct, array_like=True, gc=False):
     finish: FinishReason | None = None
     cached_tokens: int | None = None
     queue_time: float | None = None
+    # Speculation: its running (verify steps with its drafts, drafts, accepted drafts).
+    spec: tuple[int, int, int] | None = None
+
+
+@dataclass(slots=True)
+class SpecCounts:
+    """One request's speculation so far: the verify steps that carried its drafts, those
+    drafts, and the ones accepted."""
+
+    verify_ct: int = 0
+    drafts: int = 0
+    accepted: int = 0
+
+    def add(self, drafts: int, accepted: int) -> None:
+        self.verify_ct += 1
+        self.drafts += drafts
+        self.accepted += accepted
+
+    def to_tuple(self) -> tuple[int, int, int]:
+        return self.verify_ct, self.drafts, self.accepted
+
+
+def spec_meta(counts: tuple[int, int, int]) -> dict[str, Any]:
+    """SGLang's meta_info fields for a speculating request: verify steps, drafted and
+    accepted draft tokens, their ratio, and the tokens each verify step committed."""
+    verify_ct, drafts, accepted = counts
+    return {
+        "spec_verify_ct": verify_ct,
+        "spec_draft_token_num": drafts,
+        "spec_accept_token_num": accepted,
+        "spec_accept_rate": accepted / drafts if drafts else 0.0,
+        "spec_accept_length": (verify_ct + accepted) / verify_ct if verify_ct else 0.0,
+    }
 
 
 def _encode_finish(obj: Any) -> Any:

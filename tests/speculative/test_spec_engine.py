@@ -85,6 +85,20 @@ def test_copy_heavy_chat_accepts_most_drafts(plain: Engine, spec: Engine) -> Non
     tokens = after["spec_committed_tokens"] - before["spec_committed_tokens"]
     # Each verified request row committed well over its one plain token on average.
     assert tokens / rows > 1.5
+    # Each request's meta_info reports its share (SGLang's fields); together, the totals.
+    metas = [o["meta_info"] for o in got]
+    assert sum(m["spec_verify_ct"] for m in metas) == rows
+    drafts = after["spec_draft_tokens"] - before["spec_draft_tokens"]
+    assert sum(m["spec_draft_token_num"] for m in metas) == drafts
+    assert sum(m["spec_accept_token_num"] for m in metas) == tokens - rows
+    for m in metas:
+        assert m["spec_accept_token_num"] <= m["spec_draft_token_num"]
+        assert m["spec_accept_rate"] == pytest.approx(
+            m["spec_accept_token_num"] / m["spec_draft_token_num"]
+        )
+        accepted_per_verify = m["spec_accept_token_num"] / m["spec_verify_ct"]
+        assert m["spec_accept_length"] == pytest.approx(1 + accepted_per_verify)
+    assert "spec_verify_ct" not in plain.generate("Hi", {"max_new_tokens": 2})["meta_info"]
     spec.check_integrity()
 
 

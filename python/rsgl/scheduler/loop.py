@@ -35,7 +35,7 @@ from rsgl.grammar.reasoning_gate import ReasoningGate
 from rsgl.grammar.step_mask import StepMask
 from rsgl.model_executor.executor import LaunchedStep, StepExecutor
 from rsgl.model_executor.model_runner import StepOutput
-from rsgl.outputs import TokenUpdate
+from rsgl.outputs import SpecCounts, TokenUpdate
 from rsgl.sampling_params import SamplingParams
 from rsgl.scheduler.fault_injection import FaultInjector, InjectedFault
 from rsgl.speculative.policy import DraftPolicy
@@ -84,6 +84,9 @@ class Request:
     scheduled: float | None = None  # first time a plan included it (queue time ends)
     # Its grammar's state, fed every committed token (None: free text).
     matcher: Matcher | None = None
+    # Speculation: the verify steps that carried its drafts, those drafts, and how many of
+    # them were accepted (None: the engine does not speculate).
+    spec: SpecCounts | None = None
 
 
 @dataclass(slots=True)
@@ -214,7 +217,10 @@ class SchedulerLoop:
         """Speculative decoding's running totals (for /metrics and get_server_info): verify
         steps, the request rows in them that had drafts, their drafts, the tokens those
         rows committed, and the average accept length (tokens per drafted row: accepted
-        drafts + 1, SGLang's `spec_accept_length`)."""
+        drafts + 1, SGLang's `spec_accept_length`). Empty when the engine does not
+        speculate."""
+        if self.draft_policy is None:
+            return {}
         return {
             "spec_verify_steps": self.verify_steps,
             "spec_drafted_rows": self.spec_rows,
@@ -331,6 +337,8 @@ class SchedulerLoop:
             self.core.disable_speculation(core_id)
         self._next_core_id += 1
         req = Request(rid, core_id, prompt_ids, params, matcher=matcher)
+        if self.draft_policy is not None:
+            req.spec = SpecCounts()
         self._constrained += matcher is not None
         self._requests[core_id] = req
         self._by_rid[rid] = core_id
@@ -621,11 +629,7 @@ class SchedulerLoop:
         else:  # a verify step: each request's accepted drafts and its next token
             accept_lens = out.accept_lens.numpy()
             outcome = self.core.commit_spec(launched.plan.id, tokens, accept_lens)
-            drafted = launched.plan.draft_lens > 0
-            self.verify_steps += 1
-            self.spec_rows += int(drafted.sum())
-            self.spec_drafts += int(launched.plan.draft_lens.sum())
-            self.spec_tokens += int(accept_lens[drafted].sum())
+            self._count_drafts(launched.plan, accept_lens)
         plan = launched.plan
         if self.draft_policy is not None and plan.forward_mode == "decode":
             self.draft_policy.observe(
@@ -684,6 +688,19 @@ class SchedulerLoop:
                 updates.append(self._complete(req, FinishReason.abort(message, 500), None))
         self.emit(updates)
 
+    def _count_drafts(self, plan: Plan, accept_lens: np.ndarray) -> None:
+        """A verify step's totals, and each drafting request's own (for its meta_info)."""
+        draft_lens = plan.draft_lens
+        drafted = draft_lens > 0
+        self.verify_steps += 1
+        self.spec_rows += int(drafted.sum())
+        self.spec_drafts += int(draft_lens.sum())
+        self.spec_tokens += int(accept_lens[drafted].sum())
+        for row in np.flatnonzero(drafted).tolist():
+            req = self._requests.get(int(plan.rids[row]))
+            if req is not None and req.spec is not None:
+                req.spec.add(int(draft_lens[row]), int(accept_lens[row]) - 1)
+
     def _end_update(
         self,
         req: Request | None,
@@ -694,6 +711,8 @@ class SchedulerLoop:
         """Closes `req`'s update of this step: with its finish if the commit ended it."""
         if req is None or update is None:
             return
+        if req.spec is not None:
+            update.spec = req.spec.to_tuple()
         f = finished.pop(req.core_id, None)
         if f is not None:
             self._forget(req)
@@ -714,8 +733,14 @@ class SchedulerLoop:
         if cached_tokens is None:
             cached_tokens = self._cached_tokens_of(req)
         queue_time = (req.scheduled or time.perf_counter()) - req.arrival
+        spec = None if req.spec is None else req.spec.to_tuple()
         return TokenUpdate(
-            req.rid, [], finish=reason, cached_tokens=cached_tokens, queue_time=queue_time
+            req.rid,
+            [],
+            finish=reason,
+            cached_tokens=cached_tokens,
+            queue_time=queue_time,
+            spec=spec,
         )
 
     def _cached_tokens_of(self, req: Request) -> int:

@@ -107,6 +107,8 @@ class Frontend:
         now = time.perf_counter()
         self._last_log = [now] * self.dp_size
         self._last_generated = [0] * self.dp_size
+        # Speculating ranks' (drafted rows, committed tokens) at their last log line.
+        self._last_spec: dict[int, tuple[int, int]] = {}
 
     @property
     def healthy(self) -> bool:
@@ -440,14 +442,28 @@ class Frontend:
         prompt = s.get("prompt_tokens", 0)
         hit = s.get("cached_tokens", 0) / prompt if prompt else 0.0
         logger.info(
-            "%sgen throughput %.1f tok/s, running %d, queued %d, KV usage %.1f%%, cache hit %.1f%%",
+            "%sgen throughput %.1f tok/s, running %d, queued %d, KV usage %.1f%%, "
+            "cache hit %.1f%%%s",
             f"[DP{rank}] " if self.dp_size > 1 else "",
             rate,
             s.get("running", 0),
             s.get("waiting", 0),
             100 * used,
             100 * hit,
+            self._accept_length_since_last_log(rank, s),
         )
+
+    def _accept_length_since_last_log(self, rank: int, s: dict[str, Any]) -> str:
+        """The log line's ", accept len X" when the rank speculates: tokens committed per
+        drafted request row since the previous line (as SGLang's log shows)."""
+        if "spec_drafted_rows" not in s:
+            return ""
+        rows, tokens = int(s["spec_drafted_rows"]), int(s["spec_committed_tokens"])
+        last_rows, last_tokens = self._last_spec.get(rank, (0, 0))
+        self._last_spec[rank] = rows, tokens
+        if rows == last_rows:
+            return ", accept len -"
+        return f", accept len {(tokens - last_tokens) / (rows - last_rows):.2f}"
 
 
 def sum_stats(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:

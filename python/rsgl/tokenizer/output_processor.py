@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rsgl._core import FinishReason
-from rsgl.outputs import Output, TokenUpdate, merge
+from rsgl.outputs import Output, TokenUpdate, merge, spec_meta
 from rsgl.sampling_params import SamplingParams
 from rsgl.tokenizer.detokenizer import ByteTable, Decoder, IncrementalDetokenizer, fast_decode
 
@@ -206,6 +206,7 @@ class RequestRecord:
     completion_tokens: int = 0
     cached_tokens: int = 0
     queue_time: float | None = None
+    spec: tuple[int, int, int] | None = None  # TokenUpdate.spec, the latest
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     # Its text: a handle in the processor's batched `Detokenizer` (byte-level BPE), or its
     # own decoded-window detokenizer (any other tokenizer).
@@ -326,6 +327,8 @@ class OutputProcessor:
             record.cached_tokens = update.cached_tokens
         if update.queue_time is not None and record.queue_time is None:
             record.queue_time = update.queue_time
+        if update.spec is not None:
+            record.spec = update.spec
         if ids:
             if self.observer is not None:  # before `last_token_at` moves: it times from there
                 self.observer.on_tokens(record, len(ids), now)
@@ -404,6 +407,8 @@ def make_meta(record: RequestRecord, reason: FinishReason) -> dict[str, Any]:
         # Never scheduled (aborted while queued): it waited all its life.
         "queue_time": record.queue_time if record.queue_time is not None else now - record.created,
     }
+    if record.spec is not None:
+        meta.update(spec_meta(record.spec))
     if record.params.return_logprob:
         meta["output_token_logprobs"] = record.logprobs
     return meta
