@@ -29,6 +29,7 @@ from rsgl.bench.simulate import main
 from rsgl.model_executor.null_runner import NullRunner
 from rsgl.models.config import ModelConfig
 from rsgl.scheduler.loop import SchedulerLoop
+from rsgl.server.dispatcher import Dispatcher
 from rsgl.stack import build_core
 
 LLAMA3_8B = Path(__file__).resolve().parents[2] / "benches" / "configs" / "llama3-8b"
@@ -165,6 +166,82 @@ def test_replicas_sit_behind_the_real_dispatcher() -> None:
         assert report["successes"] == 30, method
         assert seen == {0, 1, 2}, method
         assert all(load.requests == 0 for load in sim.dispatcher.loads), method
+
+
+@pytest.mark.parametrize("method", ["total_requests", "total_tokens", "cache_aware"])
+def test_each_rank_is_the_dispatchers_pick_after_every_earlier_release(method: str) -> None:
+    # Replicas are played out of time order (each only as far as an arrival needs), yet
+    # every rank must be the one the dispatcher picks having seen exactly the releases
+    # before that arrival: replay a dispatcher alone over the run's own finish times.
+    config = _config()
+    requests = _mixed_requests(240, seed=7)
+    arrivals = np.sort(np.random.default_rng(4).uniform(0, 4.0, len(requests)))
+    dep = Deployment(EngineArgs(), config, spec=HardwareSpec.load("h100"))
+    sim = Simulation(
+        lambda: build_core(ARGS, 3000, 8192, config),
+        dep.cost_model(),
+        Workload(arrivals, WorkloadSpec(), recorded=requests),
+        dp_size=4,
+        load_balance_method=method,
+    )
+    report = sim.run()
+    assert report["successes"] == len(requests)
+    capacities = [int(r.core.config["max_total_tokens"]) for r in sim.replicas]
+    oracle = Dispatcher(4, method, capacities)
+    by_finish = np.argsort(sim.finish, kind="stable")
+    released = 0
+    for k, (prompt, output_len) in enumerate(requests):
+        while released < len(by_finish) and sim.finish[by_finish[released]] < arrivals[k]:
+            oracle.release(str(by_finish[released]))
+            released += 1
+        rank = oracle.assign(str(k), prompt.tolist(), oracle.cost(len(prompt), output_len))
+        assert rank == sim.rank[k], k
+    assert set(sim.rank.tolist()) == {0, 1, 2, 3}
+    # Finishes interleave with arrivals, so the picks did depend on the releases.
+    assert 0 < int((sim.finish < arrivals[-1]).sum()) < len(requests)
+
+
+def _in_flight_peak(sent: np.ndarray, finish: np.ndarray) -> int:
+    """Most requests sent and not yet finished at any moment (a request sent at the time of
+    a finish takes the place it freed)."""
+    events = sorted([(t, 1) for t in sent] + [(t, -1) for t in finish])  # -1 sorts first
+    peak = level = 0
+    for _, step in events:
+        level += step
+        peak = max(peak, level)
+    return peak
+
+
+def test_max_concurrency_holds_arrivals_client_side() -> None:
+    # A burst of 40 requests on 2 replicas, with and without a cap of 6 in flight.
+    config = _config()
+    requests = _mixed_requests(40, seed=9)
+    arrivals = np.zeros(len(requests))
+    dep = Deployment(EngineArgs(), config, spec=HardwareSpec.load("h100"))
+    runs = {}
+    for limit in (None, 6):
+        sim = Simulation(
+            lambda: build_core(ARGS, 3000, 8192, config),
+            dep.cost_model(),
+            Workload(arrivals, WorkloadSpec(), recorded=requests),
+            dp_size=2,
+            load_balance_method="total_requests",
+            max_concurrency=limit,
+        )
+        runs[limit] = (sim.run(), sim)
+    (free, free_sim), (capped, sim) = runs[None], runs[6]
+    assert capped["successes"] == free["successes"] == len(requests)
+    assert _in_flight_peak(free_sim.sent, free_sim.finish) == len(requests)
+    assert _in_flight_peak(sim.sent, sim.finish) == 6
+    # The first six go at once; every later one is sent the moment a request finishes.
+    assert (sim.sent[:6] == 0).all()
+    assert np.isin(sim.sent[6:], sim.finish).all()
+    assert (np.diff(sim.sent) >= 0).all()
+    # Latencies count from sending: less queueing in the servers, a longer run.
+    assert capped["mean_ttft_ms"] < free["mean_ttft_ms"]
+    assert capped["mean_e2e_ms"] < free["mean_e2e_ms"]
+    assert capped["duration_s"] > free["duration_s"]
+    assert capped["concurrency"] <= 6 < free["concurrency"]
 
 
 def test_the_linear_fit_recovers_its_coefficients(tmp_path: Path) -> None:

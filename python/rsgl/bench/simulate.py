@@ -15,7 +15,9 @@ requests reach replicas through the server's `Dispatcher` (`--dp-size`,
 `--hardware` (a roofline from a shipped GPU spec and the model config, `--tp-size` included),
 `--cost-model` (a calibration of this machine saved by `--calibrate`) or `--fixed-step-ms`.
 Requests arrive as a seeded Poisson process at `--request-rate` (or at a trace's own
-timestamps); `--duration` simulates that many seconds of traffic. The report has the fields
+timestamps); `--duration` simulates that many seconds of traffic; `--max-concurrency N`
+holds an arrival client-side while N requests are in flight, as `rsgl bench serving`'s
+does (its latencies count from when it is sent). The report has the fields
 of `rsgl bench serving`'s (virtual times), plus retractions, steps, the simulator's events
 and events per second of wall time.
 """
@@ -49,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--trace", default=None, help="JSONL(.gz) trace (../shared/traces format)")
     parser.add_argument(
         "--duration", type=float, default=None, help="seconds of traffic (overrides counts)"
+    )
+    parser.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="requests in flight at most (as rsgl bench serving's): arrivals wait client-side",
     )
     c = parser.add_argument_group("cost model (one of)")
     c.add_argument("--hardware", default=None, help="GPU spec: h100, h200 or a JSON file")
@@ -140,7 +148,10 @@ def main(argv: list[str]) -> int:
         layouts = [Layout.parse(x) for x in args.layouts.split(",")] if args.layouts else []
         layouts = layouts or [Layout(dep.args.dp_size, dep.args.tp_size)]
         return capacity_main(dep, spec, args.slo, layouts, Path(args.report_dir), args.duration)
-    record = dep.simulate(spec, args.request_rate, args.duration)
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        print("rsgl bench simulate: --max-concurrency must be at least 1", file=sys.stderr)
+        return 2
+    record = dep.simulate(spec, args.request_rate, args.duration, args.max_concurrency)
     print(format_table(record), file=sys.stderr)
     print(
         f"simulated {record['events']} events in {record['sim_wall_s']} s "

@@ -142,9 +142,14 @@ class Deployment:
         }
 
     def simulate(
-        self, spec: WorkloadSpec, rate: float, duration_s: float | None = None
+        self,
+        spec: WorkloadSpec,
+        rate: float,
+        duration_s: float | None = None,
+        max_concurrency: int | None = None,
     ) -> dict[str, Any]:
-        """One simulation of `spec` at `rate`: its report, with this deployment and the
+        """One simulation of `spec` at `rate` (at most `max_concurrency` requests in flight,
+        as `rsgl bench serving --max-concurrency`): its report, with this deployment and the
         simulator's own speed (events, wall seconds, events per second)."""
         workload = make_workload(spec, rate, duration_s)
         sim = Simulation(
@@ -155,6 +160,7 @@ class Deployment:
             load_balance_method=self.args.load_balance_method,
             context_length=self.context_length,
             overlap=not self.args.disable_overlap_schedule,
+            max_concurrency=max_concurrency,
         )
         started = time.perf_counter()
         summary = sim.run()
@@ -166,6 +172,7 @@ class Deployment:
             "dataset": spec.dataset,
             "num_prompts": len(workload),
             "request_rate": "inf" if math.isinf(rate) else rate,
+            "max_concurrency": max_concurrency,
             **self.describe(),
             **summary,
         }

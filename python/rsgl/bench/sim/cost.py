@@ -90,6 +90,22 @@ class CostModel(Protocol):
     def decode_seconds(self, batch: np.ndarray, context: np.ndarray) -> np.ndarray: ...
 
 
+# The cheapest step there is: one row, one new token, no context and no attention pairs.
+SMALLEST_STEP = StepShape(1, 1, 0, 0, 0, 0.0)
+
+
+def min_step_seconds(cost: CostModel) -> float:
+    """What every step costs at least: the smallest step's price, shaved by a millionth so
+    that sums of real step costs never round below a multiple of it. The cost models here
+    never price a larger shape lower (a roofline's bytes and FLOPs grow with every field, a
+    calibration's coefficients are non-negative)."""
+    smallest = min(
+        cost.step_seconds(SMALLEST_STEP),
+        float(cost.decode_seconds(np.array([1]), np.array([0]))[0]),
+    )
+    return smallest * (1 - 1e-6)
+
+
 @dataclass(frozen=True, slots=True)
 class FixedCost:
     """Every step takes `seconds` (tests: a deterministic clock)."""

@@ -9,6 +9,16 @@ nothing sleeps: a launched step ends `cost.step_seconds(StepShape.of(plan))` aft
 device is free, and its tokens (a constant id: every request ignores EOS, as
 `rsgl bench serving` sends them) are committed at that virtual time. TTFT, ITL and E2E are
 virtual times, summarized by `rsgl bench serving`'s own report code.
+
+Replicas only meet at the dispatcher, so each replica's own calls run in its own order and
+a replica is brought forward only as far as an arrival needs: the rank the dispatcher picks
+for arrival k depends on what it has released (requests finished or refused) before `t_k`,
+so every replica whose next unknown release may fall before `t_k` is played up to `t_k`
+first (`_settle`); the others keep playing long runs of decode steps. A replica's bound on
+its next release counts commits: a request needs one commit per output token, and every
+step costs at least the smallest step. With `max_concurrency` (as `rsgl bench serving
+--max-concurrency`), an arrival waits client-side until fewer than that many requests are
+in flight; it is sent when a release makes room, and its latencies count from then.
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ import numpy as np
 
 from rsgl._core import Finished, Plan, Scheduler
 from rsgl.bench.serving import summarize_arrays
-from rsgl.bench.sim.cost import CostModel, StepShape
+from rsgl.bench.sim.cost import CostModel, StepShape, min_step_seconds
 from rsgl.bench.sim.workload import Workload
 from rsgl.server.dispatcher import Dispatcher
 
@@ -52,6 +62,11 @@ class _Launched:
 class _Replica:
     core: Scheduler
     pending: list[tuple[int, np.ndarray, int]] = field(default_factory=list)
+    wake_at: float = math.inf  # its one scheduled wake-up (inf: none)
+    commits: int = 0
+    # (commits by which the request may have finished, rid): each commit gives a request at
+    # most one token, so none finishes before the smallest of these (stale entries linger).
+    finish_keys: list[tuple[int, int]] = field(default_factory=list)
     launched: _Launched | None = None
     nxt: _Launched | None = None
     committing: bool = False  # a wake-up at `launched.end` commits it
@@ -79,12 +94,15 @@ class Simulation:
         overlap: bool = True,
         on_launch: OnLaunch | None = None,
         fast_forward: bool = True,
+        max_concurrency: int | None = None,
     ) -> None:
         self.cost = cost
         # Runs of decode steps in one core call (`_fast_forward`); off, every step is a
         # wake-up of its own (and `on_launch` sees every plan).
         self.fast_forward = fast_forward
-        self._next_arrival = 0
+        if max_concurrency is not None and max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
+        self.max_concurrency = max_concurrency
         self.workload = workload
         self.overlap = overlap
         self.on_launch = on_launch
@@ -94,6 +112,9 @@ class Simulation:
             dp_size, load_balance_method, capacities, context_length=context_length
         )
         n = len(workload)
+        # When each request was sent: its arrival, or later under max_concurrency.
+        self.sent = np.asarray(workload.arrivals, dtype=np.float64).copy()
+        self.rank = np.zeros(n, dtype=np.int64)
         self.prompt_lens = np.zeros(n, dtype=np.int64)
         self.first_token = np.full(n, -1.0)
         self.last_token = np.full(n, -1.0)
@@ -102,8 +123,18 @@ class Simulation:
         self.cached_tokens = np.zeros(n, dtype=np.int64)
         self._itl: list[np.ndarray] = []
         self._tokens = np.full(1 << 12, SAMPLED_TOKEN, dtype=np.int64)
-        self._wakeups: list[tuple[float, int, int]] = []  # (time, seq, replica)
-        self._seq = 0
+        self._done = np.zeros(n, dtype=bool)  # finished or refused
+        # Releases not yet shown to the dispatcher and the client: (virtual time, rid).
+        self._releases: list[tuple[float, int]] = []
+        self._in_flight = 0  # sent and not yet released (the client's count)
+        # Per replica, a lower bound on the time of its next release not yet played.
+        self._bound = np.full(dp_size, math.inf)
+        self._min_step_s = min_step_seconds(cost)
+        # Whether the send times or the ranks depend on releases (round robin's do not).
+        self._coupled = max_concurrency is not None or (
+            dp_size > 1 and load_balance_method != "round_robin"
+        )
+        self._until = math.inf  # a run stops before this: no arrival can reach it earlier
         self.events = 0
         self.refused: list[str] = []
 
@@ -112,28 +143,98 @@ class Simulation:
     def run(self) -> dict[str, Any]:
         arrivals = self.workload.arrivals
         requests = self.workload.requests()
-        wakeups = self._wakeups
-        n = len(arrivals)
-        k = 0
-        while k < n or wakeups:
-            t_arrival = arrivals[k] if k < n else math.inf
-            if wakeups and wakeups[0][0] < t_arrival:
-                t, _, r = heapq.heappop(wakeups)
-                self._resume(r, t)
-            else:
-                prompt, output_len = next(requests)
-                self._arrive(k, float(t_arrival), prompt, output_len)
-                k += 1
-                self._next_arrival = k
+        limit = self.max_concurrency
+        sent = -math.inf
+        for k in range(len(arrivals)):
+            prompt, output_len = next(requests)
+            # The client sends in arrival order (bench_serving's semaphore is FIFO).
+            t = max(float(arrivals[k]), sent)
+            if self._coupled:
+                self._settle(t)
+            self._apply_releases(t)
+            if limit is not None:
+                while self._in_flight >= limit:
+                    t = self._next_release(t)
+            sent = t
+            self._arrive(k, t, prompt, output_len)
             self.events += 1
+        for r, rep in enumerate(self.replicas):
+            while rep.wake_at < math.inf:
+                self._process(r, math.inf)
+        self._apply_releases(math.inf)
         return self.report()
 
+    def _settle(self, t: float) -> None:
+        """Plays every replica whose next release may come before `t` up to `t`: then every
+        release before `t` is known."""
+        bound = self._bound
+        while True:
+            r = int(bound.argmin())
+            if bound[r] >= t:
+                return
+            self._process(r, t)
+
+    def _apply_releases(self, t: float) -> None:
+        """Shows the dispatcher and the client the releases before `t`."""
+        releases = self._releases
+        while releases and releases[0][0] < t:
+            self._release(heapq.heappop(releases)[1])
+
+    def _release(self, i: int) -> None:
+        self._in_flight -= 1
+        if self.dispatcher.dp_size > 1:
+            self.dispatcher.release(str(i))
+
+    def _next_release(self, t: float) -> float:
+        """With every release before `t` applied: plays replicas until the earliest release
+        is known, applies it and returns its time (at least `t`)."""
+        bound, releases = self._bound, self._releases
+        while True:
+            r = int(bound.argmin())
+            top = releases[0][0] if releases else math.inf
+            if top <= bound[r]:
+                if top == math.inf:
+                    raise RuntimeError("requests in flight but no replica will release one")
+                self._release(heapq.heappop(releases)[1])
+                return max(top, t)
+            # No request can be sent before the next release, which is no earlier than
+            # this replica's bound (the smallest) nor than t.
+            self._process(r, max(float(bound[r]), t))
+
+    def _process(self, r: int, until: float) -> None:
+        """Replica `r`'s next wake-up, its runs stopping before `until`."""
+        rep = self.replicas[r]
+        now, rep.wake_at = rep.wake_at, math.inf
+        self._until = until
+        self._resume(r, now)
+        self.events += 1
+        self._update_bound(r, rep)
+
+    def _update_bound(self, r: int, rep: _Replica) -> None:
+        """A lower bound on replica `r`'s next release: none comes before its next wake-up
+        (arrivals waiting there may be refused then); after it, the request nearest its
+        finish needs `n` more commits, each a step of at least the smallest step's cost."""
+        wake = rep.wake_at
+        keys = rep.finish_keys
+        if rep.pending or wake == math.inf:
+            self._bound[r] = wake
+            return
+        done = self._done
+        while keys and done[keys[0][1]]:
+            heapq.heappop(keys)
+        n = keys[0][0] - rep.commits if keys else 1
+        if n >= 2 and rep.nxt is not None:
+            at = rep.nxt.end + (n - 2) * self._min_step_s
+        else:
+            at = wake + (n - 1) * self._min_step_s
+        self._bound[r] = max(wake, at)
+
     def _wake(self, r: int, t: float) -> None:
-        self._seq += 1
-        heapq.heappush(self._wakeups, (t, self._seq, r))
+        self.replicas[r].wake_at = t
 
     def _arrive(self, i: int, now: float, prompt: np.ndarray, output_len: int) -> None:
         self.prompt_lens[i] = len(prompt)
+        self.sent[i] = now
         d = self.dispatcher
         if d.dp_size == 1:
             r = 0
@@ -141,11 +242,18 @@ class Simulation:
             # Only the cache-aware method reads the ids (it hashes them into its records).
             ids: list[int] = prompt.tolist() if d.method == "cache_aware" else []
             r = d.assign(str(i), ids, d.cost(len(prompt), output_len))
+        self.rank[i] = r
+        self._in_flight += 1
         replica = self.replicas[r]
+        while replica.wake_at < now:
+            self._process(r, now)
+        room = replica.core.max_new_tokens_room(len(prompt))
+        heapq.heappush(replica.finish_keys, (replica.commits + min(output_len, room), i))
         replica.pending.append((i, prompt, output_len))
         if replica.asleep:
             replica.asleep = False
             self._wake(r, now)
+        self._update_bound(r, replica)
 
     def _resume(self, r: int, now: float) -> None:
         """Replica `r`'s loop at `now`: commit the step that ends now (if that is why it
@@ -164,7 +272,7 @@ class Simulation:
         """The loop's planning half: drain arrivals, schedule, launch, until it waits."""
         while True:
             if rep.pending:
-                self._admit(rep)
+                self._admit(rep, now)
             if self._launch(r, rep, rep.core.schedule(), now):
                 return
 
@@ -216,16 +324,6 @@ class Simulation:
             and self.on_launch is None
         )
 
-    def _horizon(self, r: int) -> float:
-        """The earliest time an arrival may reach replica `r`: it must be planned with
-        whatever arrived before it, so a run stops at it. Round robin over live ranks sends
-        arrival j to rank j mod dp; the other methods may send the next arrival anywhere."""
-        k, d = self._next_arrival, self.dispatcher
-        if d.dp_size > 1 and d.method == "round_robin" and all(d.alive):
-            k += (r - k) % d.dp_size
-        arrivals = self.workload.arrivals
-        return float(arrivals[k]) if k < len(arrivals) else math.inf
-
     def _fast_forward(self, r: int, rep: _Replica, now: float) -> None:
         """The wake-ups of a run of decode steps in one `decode_run` call: as many commits
         as end before the horizon (priced as if the batch never shrank, which only
@@ -233,7 +331,7 @@ class Simulation:
         step-by-step path would leave."""
         a, b = rep.launched, rep.nxt
         assert a is not None and b is not None
-        horizon = self._horizon(r)
+        horizon = self._until
         if b.end >= horizon:
             max_steps = 1
         else:
@@ -252,6 +350,7 @@ class Simulation:
         ends = np.concatenate([[a.end, b.end], b.end + np.cumsum(costs)])
         times = ends[:committed]
         rep.steps += len(plan_ids)
+        rep.commits += committed
         rep.busy_s += float(costs.sum())
         if len(rids):
             last = self.last_token
@@ -285,17 +384,19 @@ class Simulation:
         else:
             self._plan(r, rep, now)
 
-    def _admit(self, rep: _Replica) -> None:
+    def _admit(self, rep: _Replica, now: float) -> None:
         for i, prompt, output_len in rep.pending:
             try:
                 rep.core.add_request(i, prompt, output_len, ignore_eos=True)
             except ValueError as exc:
                 self.refused.append(f"request {i}: {exc}")
-                self.dispatcher.release(str(i))
+                self._done[i] = True
+                heapq.heappush(self._releases, (now, i))
         rep.pending.clear()
 
     def _commit(self, rep: _Replica, plan: _Launched, now: float) -> None:
         outcome = rep.core.commit(plan.id, self._tokens[: plan.batch_size])
+        rep.commits += 1
         rids = outcome.rids
         if len(rids):
             last = self.last_token
@@ -315,8 +416,8 @@ class Simulation:
         self.finish[i] = now
         self.output_tokens[i] = f.completion_tokens
         self.cached_tokens[i] = f.cached_tokens
-        if self.dispatcher.dp_size > 1:
-            self.dispatcher.release(str(i))
+        self._done[i] = True
+        heapq.heappush(self._releases, (now, i))
 
     # ------------------------------------------------------------------ the report
 
@@ -332,8 +433,8 @@ class Simulation:
             duration,
             prompt_lens=self.prompt_lens[ok],
             output_tokens=self.output_tokens[ok],
-            ttft=self.first_token[ok] - arrivals[ok],
-            e2e=self.finish[ok] - arrivals[ok],
+            ttft=self.first_token[ok] - self.sent[ok],
+            e2e=self.finish[ok] - self.sent[ok],
             itl=np.concatenate(self._itl) if self._itl else np.zeros(0),
             cached_tokens=self.cached_tokens[ok],
             cache_reported=np.ones(int(ok.sum()), dtype=bool),
