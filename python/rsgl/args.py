@@ -188,7 +188,8 @@ class EngineArgs:
         None,
         "speculative decoding (SGLang's name): NGRAM drafts each request's next tokens from "
         "its own prompt and output and verifies them in one forward (greedy output is "
-        "unchanged, sampled output keeps its distribution); runs without overlap scheduling",
+        "unchanged, sampled output keeps its distribution); a step with drafts waits for the "
+        "step before it, steps without drafts overlap",
         choices=list(SPECULATIVE_ALGORITHMS),
     )
     speculative_num_draft_tokens: int = option(

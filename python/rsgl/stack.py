@@ -357,9 +357,7 @@ def build_loop(
         stack.core,
         stack.runner,
         emit,
-        # Drafting needs each request's newest token, so a speculating loop runs each
-        # step's scheduling after its forward (as SGLang's NGRAM worker does).
-        overlap=not (args.disable_overlap_schedule or args.speculates),
+        overlap=not args.disable_overlap_schedule,
         executor=executor,
         grammar=grammar,
         grammar_refusal=refusal,

@@ -111,6 +111,17 @@ def test_seeded_sampling_gives_the_same_tokens(plain: Engine, spec: Engine) -> N
     spec.check_integrity()
 
 
+def test_without_overlap_scheduling_the_tokens_are_the_same(plain: Engine) -> None:
+    # The module's engines overlap the steps without drafts; this one never overlaps.
+    greedy = {"temperature": 0.0, "max_new_tokens": 40, "frequency_penalty": 0.3}
+    sampled = [{"temperature": 0.8, "seed": i, "max_new_tokens": 40} for i in range(len(PROMPTS))]
+    with make_engine(disable_overlap_schedule=True, **SPEC) as llm:
+        for params in (greedy, sampled):
+            assert _ids(llm.generate(PROMPTS, params)) == _ids(plain.generate(PROMPTS, params))
+        assert _spec(llm)["spec_drafted_rows"] > 0
+        llm.check_integrity()
+
+
 def test_penalties_and_bias_match(plain: Engine, spec: Engine) -> None:
     params = {
         "temperature": 0.0,

@@ -108,7 +108,9 @@ class _Launched:
     plan: Plan
     result: LaunchedStep
     mask: StepMask | None = None
-    launched_at: float = 0.0
+    # When the loop began planning it (the cost the draft policy measures runs from here,
+    # or from the previous step's end when that came later: steps overlap).
+    planned_at: float = 0.0
 
 
 class StepFailed(RuntimeError):
@@ -178,6 +180,7 @@ class SchedulerLoop:
             self.draft_policy = DraftPolicy(core.draft_limit)
         self.step_failures = 0
         self._failures_in_a_row = 0
+        self._last_step_done = 0.0  # when the last processed step's result was ready
         self._faults = FaultInjector.from_env()
 
     # ---------------------------------------------------------------- lifecycle
@@ -461,8 +464,16 @@ class SchedulerLoop:
                 self._drain_inbox(block=idle, timeout=self._expire_compiles())
                 if self._stopping:
                     break
+                planned_at = time.perf_counter()
                 if self.draft_policy is not None:
-                    self.core.set_draft_limit(self.draft_policy.draft_limit())
+                    limit = self.draft_policy.draft_limit()
+                    self.core.set_draft_limit(limit)
+                    if launched is not None and (limit > 0 or launched.plan.draft_lens.any()):
+                        # Drafting reads each request's newest token, and a verify step's
+                        # accepted counts decide where the next tokens go: the step in
+                        # flight ends first. Steps without drafts overlap as usual.
+                        self._process(launched)
+                        launched = None
                 plan = self.core.schedule()
                 nxt = None
                 if plan.forward_mode != "idle":
@@ -475,7 +486,7 @@ class SchedulerLoop:
                             prepared, a, f, m
                         ),
                     )
-                    nxt = _Launched(plan, result, mask, time.perf_counter())
+                    nxt = _Launched(plan, result, mask, planned_at)
                     self.steps += 1
                 if launched is not None:
                     self._process(launched)
@@ -623,6 +634,8 @@ class SchedulerLoop:
         except Exception as exc:  # noqa: BLE001 - isolated: only this step's requests fail
             self._fail_step(launched.plan, exc)
             return
+        done_at, previous_done = time.perf_counter(), self._last_step_done
+        self._last_step_done = done_at
         self._failures_in_a_row = 0
         if out.accept_lens is None:
             outcome = self.core.commit(launched.plan.id, tokens)
@@ -635,7 +648,7 @@ class SchedulerLoop:
             self.draft_policy.observe(
                 len(plan.rids),
                 drafted=bool(plan.draft_lens.any()),
-                seconds=time.perf_counter() - launched.launched_at,
+                seconds=done_at - max(launched.planned_at, previous_done),
                 tokens=len(outcome.tokens),
             )
         # Output row of each request's next token (one row per token of a verify step).
