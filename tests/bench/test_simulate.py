@@ -337,7 +337,13 @@ def test_the_cli_prints_the_serving_report(
         assert record[key] > 0
     assert record["cache_hit_rate"] == 0.0 and record["retractions"] == 0
     assert record["successes"] == 40 and record["events_per_s"] > 0
+    assert record["max_concurrency"] is None
     assert "Serving Benchmark Result" in capsys.readouterr().err
+    assert main([*argv, "--max-concurrency", "3", "--output-file", str(out)]) == 0
+    capped = json.loads(out.read_text().splitlines()[-1])
+    assert capped["max_concurrency"] == 3 and capped["successes"] == 40
+    assert capped["concurrency"] <= 3 and capped["duration_s"] > record["duration_s"]
+    assert main([*argv, "--max-concurrency", "0"]) == 2
 
 
 def test_the_capacity_report_has_plots_and_tables(tmp_path: Path) -> None:
