@@ -173,6 +173,7 @@ class Scheduler:
         spec_num_draft_tokens: int | None = None,
         spec_ngram_min_window: int | None = None,
         spec_ngram_max_window: int | None = None,
+        spec_draft_model: bool | None = None,
     ) -> Scheduler: ...
     @property
     def config(self) -> dict[str, Any]:

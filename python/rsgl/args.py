@@ -39,7 +39,7 @@ LOAD_BALANCE_METHODS = ("round_robin", "total_requests", "total_tokens", "cache_
 GRAMMAR_BACKENDS = ("xgrammar", "llguidance", "none")
 
 # Speculative decoding algorithms (SGLang's names).
-SPECULATIVE_ALGORITHMS = ("NGRAM",)
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
 
 # Model dtypes (auto: chosen at start-up by rsgl.models.dtype_choice).
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -187,13 +187,32 @@ class EngineArgs:
     speculative_algorithm: str | None = option(
         None,
         "speculative decoding (SGLang's name): NGRAM drafts each request's next tokens from "
-        "its own prompt and output and verifies them in one forward (greedy output is "
+        "its own prompt and output, STANDALONE from a draft model "
+        "(--speculative-draft-model-path), and one forward verifies them (greedy output is "
         "unchanged, sampled output keeps its distribution); a step with drafts waits for the "
         "step before it, steps without drafts overlap",
         choices=list(SPECULATIVE_ALGORITHMS),
     )
     speculative_num_draft_tokens: int = option(
         5, "tokens a verify step computes per request: its last token and up to n - 1 drafts"
+    )
+    disable_speculative_adaptive: bool = option(
+        False,
+        "speculation drafts on every decode step it can (as SGLang does), not only at the "
+        "batch sizes where measured verify steps cost less per token than plain ones",
+    )
+    speculative_num_steps: int | None = option(
+        None,
+        "STANDALONE: draft decodes per verify step (SGLang's name); sets "
+        "--speculative-num-draft-tokens to n + 1 (a chain of drafts); NGRAM ignores it",
+    )
+    speculative_draft_model_path: str | None = option(
+        None,
+        "STANDALONE: the draft model, a smaller model of the target's tokenizer (a directory "
+        "or a .gguf file, as --model-path takes; default: the target model itself)",
+    )
+    speculative_draft_load_format: str | None = option(
+        None, "STANDALONE: how the draft's weights load (auto or dummy; default: --load-format)"
     )
     speculative_ngram_min_match_window_size: int = option(
         1, "NGRAM: shortest suffix of a request's tokens looked up in its earlier tokens"
@@ -312,6 +331,21 @@ class EngineArgs:
                 "speculative_ngram_min_match_window_size and _max_ must satisfy 1 <= min <= "
                 f"max, got {low} and {high}"
             )
+        if self.speculative_num_steps is not None and self.speculative_num_steps < 1:
+            raise ValueError(
+                f"speculative_num_steps must be at least 1, got {self.speculative_num_steps}"
+            )
+        standalone = self.speculative_algorithm == "STANDALONE"
+        for name in ("speculative_draft_model_path", "speculative_draft_load_format"):
+            if getattr(self, name) is not None and not standalone:
+                raise ValueError(f"{name} is for speculative_algorithm STANDALONE")
+        draft_format = self.speculative_draft_load_format
+        if draft_format not in (None, "auto", "dummy"):
+            raise ValueError(
+                f"invalid speculative_draft_load_format {draft_format!r}: expected auto or dummy"
+            )
+        if standalone and self.load_format == "null":
+            raise ValueError("STANDALONE speculation needs a model (load_format null has none)")
         if self.speculative_algorithm is not None and self.tp_size > 1:
             raise ValueError(
                 "speculative_algorithm with tp_size > 1 is not supported yet (use dp_size)"
@@ -320,7 +354,16 @@ class EngineArgs:
     @property
     def speculates(self) -> bool:
         """Whether requests are decoded speculatively (drafts verified in one forward)."""
-        return self.speculative_algorithm is not None and self.speculative_num_draft_tokens > 1
+        return self.speculative_algorithm is not None and self.verified_tokens > 1
+
+    @property
+    def verified_tokens(self) -> int:
+        """Tokens a verify step computes per drafting request: STANDALONE's
+        `speculative_num_steps` drafts + 1 when given, else `speculative_num_draft_tokens`."""
+        steps = self.speculative_num_steps
+        if self.speculative_algorithm == "STANDALONE" and steps is not None:
+            return steps + 1
+        return self.speculative_num_draft_tokens
 
     @classmethod
     def from_options(cls, model_path: str | None, options: dict[str, Any]) -> EngineArgs:

@@ -136,6 +136,19 @@ def build_stack(args: EngineArgs) -> ModelStack:
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         disable_cuda_graph=args.disable_cuda_graph,
     )
+    if args.speculates and args.speculative_algorithm == "STANDALONE":
+        runner.attach_draft(
+            load_model(
+                args.speculative_draft_model_path or args.model_path,
+                device=device,
+                dtype=choice.torch_dtype,
+                max_positions=args.context_length,
+                load_format=args.speculative_draft_load_format or args.load_format,
+                seed=args.seed + 1,  # dummy weights unlike the target's
+                quantization=args.quantization,
+                quantization_group_size=args.quantization_group_size,
+            )
+        )
     kv_name = str(runner.kv_cache.dtype).removeprefix("torch.")
     return ModelStack(
         tokenizer,
@@ -293,9 +306,10 @@ def build_core(
         enable_mixed_chunk=args.enable_mixed_chunk and not args.speculates,
         eos_token_ids=list(config.eos_token_ids),
         seed=args.seed,
-        spec_num_draft_tokens=args.speculative_num_draft_tokens if args.speculates else 0,
+        spec_num_draft_tokens=args.verified_tokens if args.speculates else 0,
         spec_ngram_min_window=args.speculative_ngram_min_match_window_size,
         spec_ngram_max_window=args.speculative_ngram_max_match_window_size,
+        spec_draft_model=args.speculative_algorithm == "STANDALONE",
     )
 
 
@@ -363,6 +377,7 @@ def build_loop(
         grammar_refusal=refusal,
         grammar_compile_timeout=args.grammar_compile_timeout,
         reasoning_end_ids=_reasoning_end_ids(stack, args),
+        adaptive_drafts=not args.disable_speculative_adaptive,
     )
 
 

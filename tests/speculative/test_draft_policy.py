@@ -81,3 +81,8 @@ def test_a_step_that_committed_nothing_changes_no_average() -> None:
     policy.observe(4, True, 1.0, 0)
     assert policy.summary() == {}
     assert policy.batch == 4
+
+
+def test_a_policy_that_is_not_adaptive_always_drafts() -> None:
+    policy = DraftPolicy(max_drafts=3, adaptive=False)
+    assert _steps(policy, 8, verify_cost=5.0, plain_cost=1.0, n=100) == [3] * 100

@@ -881,3 +881,42 @@ fn speculation_can_be_refused_capped_and_backs_off() {
         "{rejected} drafts verified"
     );
 }
+
+/// With a draft model (`spec_draft_model`), the core drafts nothing itself: it reserves each
+/// speculating request's draft positions with placeholder ids (0) for the runner to fill,
+/// capped as n-gram drafts are, and commits whatever accepted run the runner reports.
+#[test]
+fn a_draft_model_gets_placeholder_drafts_to_fill() {
+    let cfg = SchedulerConfig {
+        max_total_tokens: 256,
+        context_len: 128,
+        spec_num_draft_tokens: 4,
+        spec_draft_model: true,
+        ..SchedulerConfig::default()
+    };
+    let mut s = Scheduler::new(cfg).unwrap();
+    let limits = SamplingLimits {
+        max_new_tokens: 7,
+        ignore_eos: true,
+        ..SamplingLimits::default()
+    };
+    s.add_request(1, vec![5, 6, 7], limits).unwrap();
+    let p = s.schedule();
+    s.commit(p.id, &[8]).unwrap();
+    let p = s.schedule();
+    // No n-gram of [5, 6, 7, 8] repeats, yet three drafts are reserved.
+    assert_eq!(p.draft_lens, [3]);
+    assert_eq!(p.input_ids, [8, 0, 0, 0]);
+    assert_eq!(p.positions, [3, 4, 5, 6]);
+    let out = s.commit_spec(p.id, &[9, 10, 11], &[3]).unwrap();
+    assert_eq!(out.tokens, [9, 10, 11]);
+    s.check().unwrap();
+    // Three tokens left: at most two drafts (the step's own token is the third).
+    let p = s.schedule();
+    assert_eq!(p.draft_lens, [2]);
+    assert_eq!(p.input_ids, [11, 0, 0]);
+    let out = s.commit_spec(p.id, &[12], &[1]).unwrap();
+    assert_eq!(out.tokens, [12]);
+    assert_eq!(s.request(1).unwrap().kv_len(), 7); // 11's position kept, the drafts' not
+    s.check().unwrap();
+}

@@ -27,6 +27,7 @@ from rsgl.model_executor.cuda_graph_runner import (
     pad_decode_arrays,
     padded_size,
 )
+from rsgl.model_executor.draft_model import DraftModel
 from rsgl.model_executor.forward_batch import ForwardBatch, ForwardMode
 from rsgl.model_executor.future_map import FutureMap
 from rsgl.model_executor.kv_cache import KVCache, ReqToTokenPool, resolve_kv_cache_dtype
@@ -157,6 +158,8 @@ class ModelRunner:
             max_running_requests, cfg.vocab_size, cfg.eos_token_ids, self.device
         )
         self.sampler = Sampler(self.device, seed)
+        # STANDALONE speculation's draft model (`attach_draft`), over this runner's slots.
+        self.draft: DraftModel | None = None
         self.graphs: CudaGraphRunner | None = None
         if (
             self.device.type == "cuda"
@@ -165,6 +168,20 @@ class ModelRunner:
             and loaded.tp is None
         ):
             self.graphs = self._capture_graphs(min(cuda_graph_max_bs, max_running_requests))
+
+    def attach_draft(self, loaded: LoadedModel) -> None:
+        """Drafts come from `loaded` from now on (`rsgl.model_executor.draft_model`): it gets
+        a KV cache of this runner's size and reads this runner's req_to_token rows. Decode
+        steps then run without CUDA graphs (the draft follows each step eagerly)."""
+        self.draft = DraftModel(
+            loaded,
+            target_vocab_size=self.config.vocab_size,
+            kv_buffer_size=self.kv_cache.size,
+            kv_dtype=self.kv_cache.dtype,
+            req_to_token=self.req_to_token,
+            attention_backend=self.attention_backend,
+        )
+        self.graphs = None
 
     def _capture_graphs(self, max_bs: int) -> CudaGraphRunner:
         stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
@@ -236,7 +253,15 @@ class ModelRunner:
         engine can use the device in this process; the runner is unusable afterwards. The
         engine's objects live in reference cycles that start-up froze out of the garbage
         collector, so waiting for them to be collected would wait forever."""
-        for name in ("graphs", "attn", "kv_cache", "req_to_token", "future_map", "sampling"):
+        for name in (
+            "graphs",
+            "draft",
+            "attn",
+            "kv_cache",
+            "req_to_token",
+            "future_map",
+            "sampling",
+        ):
             self.__dict__.pop(name, None)
         self.__dict__.pop("model", None)
         self.__dict__.pop("loaded", None)
@@ -330,6 +355,9 @@ class ModelRunner:
         if batch.forward_mode == ForwardMode.IDLE or batch.batch_size == 0:
             return _empty_output(self.device)
         input_ids = self.future_map.resolve(batch.input_ids, batch.token_req_slots())
+        verify = batch.logit_rows is not None
+        if self.draft is not None and verify:
+            input_ids = self.draft.propose(input_ids, batch)  # fills the placeholder drafts
         self.attn.prepare(batch)
         tp = self.loaded.tp
         greedy = tp is not None and plain_greedy(self.sampling, batch.req_slots_host)
@@ -346,8 +374,10 @@ class ModelRunner:
             ids = sharded_argmax(local, tp.shard.vocab.start, tp.group)
             return self._record(batch, SampleOutput(ids), batch.batch_size, None)
         logits = self.model(input_ids, batch, self.attn)
-        if batch.logit_rows is not None:
+        if verify:
             return self._verify(batch, input_ids, logits, vocab_mask)
+        if self.draft is not None:
+            self.draft.follow(input_ids, batch)
         return self._sample(batch, logits, batch.batch_size, return_logits, vocab_mask)
 
     def _verify(

@@ -142,6 +142,7 @@ class SchedulerLoop:
         grammar_refusal: str = "constrained decoding is off (--grammar-backend none)",
         grammar_compile_timeout: float = 30.0,
         reasoning_end_ids: Sequence[int] | None = None,
+        adaptive_drafts: bool = True,
     ) -> None:
         self.core = core
         # Structured output: the compiler (None: constraints are refused with
@@ -177,7 +178,7 @@ class SchedulerLoop:
         # Whether each step drafts, chosen from measured costs (None: not speculating).
         self.draft_policy = None
         if core.draft_limit > 0:
-            self.draft_policy = DraftPolicy(core.draft_limit)
+            self.draft_policy = DraftPolicy(core.draft_limit, adaptive=adaptive_drafts)
         self.step_failures = 0
         self._failures_in_a_row = 0
         self._last_step_done = 0.0  # when the last processed step's result was ready

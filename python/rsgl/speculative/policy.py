@@ -48,6 +48,7 @@ class DraftPolicy:
     """Chooses each decode step's draft limit (`max_drafts` or 0) from measured costs."""
 
     max_drafts: int
+    adaptive: bool = True  # False: every step may draft (SGLang's behaviour)
     explore_every: int = 64
     max_explore_every: int = 1024
     groups: dict[int, _Group] = field(default_factory=dict)
@@ -60,6 +61,8 @@ class DraftPolicy:
 
     def draft_limit(self) -> int:
         """The drafts per request the next step may carry."""
+        if not self.adaptive:
+            return self.max_drafts
         group = self.groups.setdefault(self.group_of(self.batch), _Group())
         if group.verify is None:
             return self.max_drafts

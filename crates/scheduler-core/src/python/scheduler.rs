@@ -29,6 +29,7 @@ pub(super) fn config_to_py<'py>(
     d.set_item("spec_num_draft_tokens", c.spec_num_draft_tokens)?;
     d.set_item("spec_ngram_min_window", c.spec_ngram_min_window)?;
     d.set_item("spec_ngram_max_window", c.spec_ngram_max_window)?;
+    d.set_item("spec_draft_model", c.spec_draft_model)?;
     Ok(d)
 }
 
@@ -56,7 +57,7 @@ impl PyScheduler {
         schedule_conservativeness=None, disable_radix_cache=None, enable_mixed_chunk=None,
         priority_preemption_threshold=None, low_priority_values_first=None,
         eos_token_ids=None, seed=None, spec_num_draft_tokens=None, spec_ngram_min_window=None,
-        spec_ngram_max_window=None
+        spec_ngram_max_window=None, spec_draft_model=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -77,6 +78,7 @@ impl PyScheduler {
         spec_num_draft_tokens: Option<usize>,
         spec_ngram_min_window: Option<usize>,
         spec_ngram_max_window: Option<usize>,
+        spec_draft_model: Option<bool>,
     ) -> PyResult<Self> {
         let d = SchedulerConfig::default();
         let policy = match schedule_policy {
@@ -108,6 +110,7 @@ impl PyScheduler {
             spec_num_draft_tokens: spec_num_draft_tokens.unwrap_or(d.spec_num_draft_tokens),
             spec_ngram_min_window: spec_ngram_min_window.unwrap_or(d.spec_ngram_min_window),
             spec_ngram_max_window: spec_ngram_max_window.unwrap_or(d.spec_ngram_max_window),
+            spec_draft_model: spec_draft_model.unwrap_or(d.spec_draft_model),
         };
         Ok(Self {
             inner: Scheduler::new(cfg).map_err(to_py_err)?,

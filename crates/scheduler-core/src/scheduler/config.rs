@@ -41,6 +41,10 @@ pub struct SchedulerConfig {
     pub spec_ngram_min_window: usize,
     /// Longest suffix the n-gram drafter matches (`--speculative-ngram-max-match-window-size`).
     pub spec_ngram_max_window: usize,
+    /// Drafts come from a draft model the runner runs (SGLang's STANDALONE): the core reserves
+    /// each speculating request's draft positions with placeholder tokens (id 0) that the
+    /// runner overwrites before the verify forward, instead of drafting from n-grams.
+    pub spec_draft_model: bool,
 }
 
 impl SchedulerConfig {
@@ -71,6 +75,7 @@ impl Default for SchedulerConfig {
             spec_num_draft_tokens: 0,
             spec_ngram_min_window: 1,
             spec_ngram_max_window: 12,
+            spec_draft_model: false,
         }
     }
 }

@@ -34,6 +34,7 @@ impl Scheduler {
         if k_max == 0 {
             return;
         }
+        let model_drafts = self.cfg.spec_draft_model;
         let (min, max, context) = (
             self.cfg.spec_ngram_min_window,
             self.cfg.spec_ngram_max_window,
@@ -56,6 +57,10 @@ impl Scheduler {
                 .min(req.remaining_new_tokens().saturating_sub(1))
                 .min(context.saturating_sub(req.fill_len() + 1));
             if k == 0 {
+                continue;
+            }
+            if model_drafts {
+                req.draft.resize(k, 0); // the runner's draft model fills them
                 continue;
             }
             let mut drafter = req
