@@ -297,6 +297,7 @@ class Engine:
             cuda_graphs=getattr(self.runner, "graphs", None) is not None,
             stats=self.core.stats(),
             steps=self._loop.steps,
+            overlapped_steps=self._loop.overlapped_steps,
             speculative=self._loop.spec_stats(),
         )
         return info

@@ -122,8 +122,22 @@ def build_stack(args: EngineArgs) -> ModelStack:
         quantization_group_size=args.quantization_group_size,
     )
     context_length = args.context_length or loaded.config.max_position_embeddings
+    draft = None
+    if args.speculates and args.speculative_algorithm == "STANDALONE":
+        draft = load_model(
+            args.speculative_draft_model_path or args.model_path,
+            device=device,
+            dtype=choice.torch_dtype,
+            max_positions=context_length,  # the target's positions, whatever the draft's
+            load_format=args.speculative_draft_load_format or args.load_format,
+            seed=args.seed + 1,  # dummy weights unlike the target's
+            quantization=args.quantization,
+            quantization_group_size=args.quantization_group_size,
+        )
     tokenizer = load_tokenizer(args.tokenizer_path or loaded.model_dir)
-    max_total_tokens = args.max_total_tokens or _pool_tokens(args, loaded.config, loaded.dtype)
+    max_total_tokens = args.max_total_tokens or _pool_tokens(
+        args, loaded.config, loaded.dtype, draft_config=None if draft is None else draft.config
+    )
     core = build_core(args, max_total_tokens, context_length, loaded.config)
     runner = ModelRunner(
         loaded,
@@ -134,21 +148,11 @@ def build_stack(args: EngineArgs) -> ModelStack:
         kv_cache_dtype=args.kv_cache_dtype,
         seed=args.seed,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
-        disable_cuda_graph=args.disable_cuda_graph,
+        # A draft model follows every step eagerly: no decode graphs to capture.
+        disable_cuda_graph=args.disable_cuda_graph or draft is not None,
     )
-    if args.speculates and args.speculative_algorithm == "STANDALONE":
-        runner.attach_draft(
-            load_model(
-                args.speculative_draft_model_path or args.model_path,
-                device=device,
-                dtype=choice.torch_dtype,
-                max_positions=args.context_length,
-                load_format=args.speculative_draft_load_format or args.load_format,
-                seed=args.seed + 1,  # dummy weights unlike the target's
-                quantization=args.quantization,
-                quantization_group_size=args.quantization_group_size,
-            )
-        )
+    if draft is not None:
+        runner.attach_draft(draft)
     kv_name = str(runner.kv_cache.dtype).removeprefix("torch.")
     return ModelStack(
         tokenizer,
@@ -318,8 +322,10 @@ def _pool_tokens(
     config: ModelConfig,
     model_dtype: torch.dtype,
     shards: Sequence[TPShard] = (),
+    draft_config: ModelConfig | None = None,
 ) -> int:
-    """KV pool size in tokens.
+    """KV pool size in tokens (a STANDALONE draft's cache, `draft_config`'s, holds every
+    slot too).
 
     CPU: `mem_fraction` of the machine's memory (a default share, capped). CUDA, as SGLang's
     `--mem-fraction-static`: weights and KV pool together take that share of the GPU, so
@@ -337,6 +343,8 @@ def _pool_tokens(
         per_rank = [KVCache.bytes_per_slot(config, kv_dtype, s.num_kv_heads) for s in shards]
         on_node = per_rank[: args.tp_size // args.nnodes]
         per_token = max(per_rank) if device.type == "cuda" else sum(on_node)
+    if draft_config is not None:
+        per_token += KVCache.bytes_per_slot(draft_config, kv_dtype)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return device_pool_tokens(total, total - free, args.mem_fraction, per_token, args.page_size)

@@ -3,6 +3,7 @@ from a byte-capped LRU cache, failures cached, the backend built only when first
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -10,7 +11,7 @@ import pytest
 from grammar_walk import backend_for
 
 from rsgl.grammar.backend import GrammarBackend, GrammarError, Matcher
-from rsgl.grammar.compiler import GrammarCompiler
+from rsgl.grammar.compiler import COMPILE_NICE, GrammarCompiler
 from rsgl.grammar.constraint import Constraint
 
 
@@ -23,11 +24,13 @@ class Counting(GrammarBackend):
         super().__init__(real.vocab_size)
         self.real, self.size = real, size
         self.compiles: list[Constraint] = []
+        self.nice: list[int] = []  # each compile's thread's nice value
         self.gate = threading.Event()
         self.gate.set()
 
     def compile(self, constraint: Constraint) -> Any:
         self.compiles.append(constraint)
+        self.nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
         self.gate.wait()
         return self.real.compile(constraint)
 
@@ -100,4 +103,16 @@ def test_the_backend_is_built_on_first_use_only() -> None:
     with pytest.raises(RuntimeError, match="no backend here"):
         compiler.submit(SCHEMA).result(timeout=60)
     assert built == ["x"] and compiler.stats.failures == 0  # not the constraint's fault
+    compiler.shutdown()
+
+
+def test_compiles_run_at_the_lowest_priority_and_leave_the_caller_alone(
+    counting: Counting,
+) -> None:
+    # A schema that compiles for seconds must not take a core from the steps' threads.
+    caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    compiler = GrammarCompiler(lambda: counting)
+    compiler.submit(SCHEMA).result(timeout=60)
+    assert counting.nice == [COMPILE_NICE]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller
     compiler.shutdown()

@@ -1,10 +1,10 @@
 """DraftPolicy: each batch-size group drafts while its verify steps cost less per committed
-token than its plain steps, measures both ways first, and re-tries the losing way, less
-often while the tries confirm the choice."""
+token than its plain steps, measures both ways first (not the step that changes ways), and
+re-tries the losing way, less often while the tries confirm the choice."""
 
 from __future__ import annotations
 
-from rsgl.speculative.policy import DraftPolicy
+from rsgl.speculative.policy import TRY_STEPS, DraftPolicy
 
 
 def test_groups_are_power_of_two_ceilings() -> None:
@@ -35,34 +35,59 @@ def _steps(
     return limits
 
 
+def _runs(limits: list[int], value: int) -> list[tuple[int, int]]:
+    """(start, length) of each run of `value` in `limits`."""
+    runs: list[tuple[int, int]] = []
+    for i, limit in enumerate(limits):
+        if limit != value:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
+
+
 def test_measures_both_ways_then_keeps_the_cheaper_and_explores() -> None:
     policy = DraftPolicy(max_drafts=4, explore_every=8)
-    limits = _steps(policy, 1, verify_cost=0.5, plain_cost=1.0, n=32)
-    assert limits[:2] == [4, 0]  # verify first, then a plain step to compare
-    later = limits[2:]
-    assert 1 <= later.count(0) <= 2  # only the tries
-    # Verify steps now cost more per token: the group stops drafting (but still explores).
+    limits = _steps(policy, 1, verify_cost=0.5, plain_cost=1.0, n=40)
+    # Drafting first, then plain: the change (not measured), then a measured step.
+    assert limits[:4] == [4, 0, 0, 4]
+    tries = _runs(limits[3:], 0)
+    assert tries and all(length == TRY_STEPS for _, length in tries)  # only the tries
+    # Drafting now costs more per token: the group stops drafting (but still explores).
     limits = _steps(policy, 1, verify_cost=2.0, plain_cost=1.0, n=40)
-    assert limits[-16:].count(4) <= 2
-
-
-def _gaps(limits: list[int], value: int) -> list[int]:
-    at = [i for i, limit in enumerate(limits) if limit == value]
-    return [b - a for a, b in zip(at, at[1:], strict=False)]
+    assert limits[-16:].count(4) <= TRY_STEPS
 
 
 def test_tries_grow_rarer_while_they_confirm_the_choice_and_reset_when_it_turns() -> None:
     policy = DraftPolicy(max_drafts=4, explore_every=8, max_explore_every=64)
-    limits = _steps(policy, 1, verify_cost=0.5, plain_cost=1.0, n=300)[2:]
-    assert _gaps(limits, 0) == [16, 32, 64, 64, 64]  # tries of plain steps, each confirming
+    limits = _steps(policy, 1, verify_cost=0.5, plain_cost=1.0, n=320)
+    starts = [start for start, _ in _runs(limits, 0)][1:]  # after the first measurement
+    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    assert gaps[:3] == sorted(gaps[:3]) and gaps[1] >= 2 * gaps[0] - TRY_STEPS
+    assert max(gaps) <= 64 + TRY_STEPS and gaps[-1] == gaps[-2]  # capped
     # Drafts stop paying: the choice turns within a few steps, and the tries of drafting
-    # come every 8 steps again, then rarer as they confirm the new choice.
+    # come within `explore_every` steps again, then rarer as they confirm the new choice.
     limits = _steps(policy, 1, verify_cost=2.0, plain_cost=1.0, n=200)
-    first_plain = limits.index(0)
-    assert first_plain <= 4
-    tries = [i for i, limit in enumerate(limits) if limit == 4 and i > first_plain]
-    assert tries[0] - first_plain < 8
-    assert _gaps(limits[first_plain:], 4)[:3] == [16, 32, 64]
+    drafting = _runs(limits, 4)
+    turned = drafting[0][0] + drafting[0][1]  # the end of the drafting it was doing
+    assert turned <= 6
+    tries = drafting[1:]
+    assert tries[0][0] - turned <= 8 + TRY_STEPS
+    assert all(length == TRY_STEPS for _, length in tries[:-1])  # the last may be cut off
+    starts = [start for start, _ in tries]
+    assert starts[2] - starts[1] > starts[1] - starts[0]
+
+
+def test_steps_after_a_change_of_way_are_not_measured() -> None:
+    # A plain step right after a verify has nothing to overlap: its cost is not plain's.
+    policy = DraftPolicy(max_drafts=4)
+    policy.observe(1, True, 1.0, 2)
+    policy.observe(1, False, 100.0, 1)  # the change: ignored
+    assert policy.summary()["1"] == {"verify_s_per_token": 0.5, "plain_s_per_token": None}
+    policy.observe(1, False, 0.4, 1)
+    assert policy.summary()["1"]["plain_s_per_token"] == 0.4
 
 
 def test_each_batch_size_group_decides_for_itself() -> None:

@@ -61,6 +61,8 @@ def test_greedy_tokens_are_the_same_with_speculation(plain: Engine, spec: Engine
     rows = after["spec_drafted_rows"] - before["spec_drafted_rows"]
     assert rows > 0  # drafts were verified
     assert after["spec_committed_tokens"] - before["spec_committed_tokens"] > rows  # accepted
+    # Measuring plain steps' cost needs two in a row: the second overlaps the first.
+    assert spec.get_server_info()["overlapped_steps"] > 0
     spec.check_integrity()
 
 
@@ -119,6 +121,7 @@ def test_without_overlap_scheduling_the_tokens_are_the_same(plain: Engine) -> No
         for params in (greedy, sampled):
             assert _ids(llm.generate(PROMPTS, params)) == _ids(plain.generate(PROMPTS, params))
         assert _spec(llm)["spec_drafted_rows"] > 0
+        assert llm.get_server_info()["overlapped_steps"] == 0
         llm.check_integrity()
 
 

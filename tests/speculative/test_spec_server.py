@@ -17,10 +17,18 @@ from launcher import launch, stop
 from prometheus_client.parser import text_string_to_metric_families
 
 from rsgl.bench.speculative import copy_heavy_messages
+from rsgl.server.frontend import sum_stats
 
 MODEL = "SmolLM2-135M-Instruct"
 FLAGS = ("--dtype", "float32", "--max-total-tokens", "16384")
-SPEC = ("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "5")
+# Drafting on every step: whether the adaptive policy drafts depends on this CPU's timings.
+SPEC = (
+    "--speculative-algorithm",
+    "NGRAM",
+    "--speculative-num-draft-tokens",
+    "5",
+    "--disable-speculative-adaptive",
+)
 # A prompt the model continues by quoting it: some drafts are accepted.
 COPY = "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox"
 
@@ -85,3 +93,15 @@ def test_metrics_and_log_line_report_the_accept_length(server: tuple[str, Path])
     assert accept > 1.0  # some drafts were accepted
     lines = [line for line in log_path.read_text().splitlines() if "accept len" in line]
     assert lines and "gen throughput" in lines[0]
+
+
+def test_data_parallel_ranks_stats_combine_into_one_accept_length() -> None:
+    ranks = [
+        {"spec_drafted_rows": 10, "spec_committed_tokens": 30, "spec_accept_length": 3.0},
+        {"spec_drafted_rows": 30, "spec_committed_tokens": 30, "spec_accept_length": 1.0},
+    ]
+    ranks[0]["spec_draft_limit"], ranks[1]["spec_draft_limit"] = 4, 0
+    total = sum_stats(ranks)
+    assert total["spec_drafted_rows"] == 40
+    assert total["spec_accept_length"] == 1.5  # 60 tokens over 40 rows, not 3 + 1
+    assert total["spec_draft_limit"] == 4

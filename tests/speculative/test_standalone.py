@@ -129,3 +129,20 @@ def test_a_dummy_draft_is_rejected_and_changes_nothing(plain: Engine) -> None:
         assert _ids(outs) == _ids(plain.generate(PROMPTS, GREEDY, use_tqdm=False))
         assert _accept_rate(outs) < 0.1  # random weights rarely guess the next token
         llm.check_integrity()
+
+
+def test_the_adaptive_policy_mixes_overlapped_plain_steps_and_verifies(plain: Engine) -> None:
+    # The draft follows overlapped plain steps too (their inputs still on the device): when
+    # drafting resumes, its cache must hold every position, or its drafts go wrong.
+    options = dict(STANDALONE, disable_speculative_adaptive=False)
+    with make_engine(**options) as llm:
+        llm._loop.draft_policy.explore_every = 4  # type: ignore[union-attr]
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert _ids(outs) == _ids(plain.generate(PROMPTS, GREEDY, use_tqdm=False))
+        info = llm.get_server_info()
+        assert info["overlapped_steps"] > 0
+        stats = info["speculative"]
+        accepted = stats["spec_committed_tokens"] - stats["spec_drafted_rows"]
+        assert stats["spec_draft_tokens"] > 0
+        assert accepted / stats["spec_draft_tokens"] > 0.9
+        llm.check_integrity()

@@ -5,6 +5,7 @@ included), and one compile per constraint however many requests wait for it."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -19,6 +20,9 @@ from rsgl.grammar.constraint import Constraint
 logger = logging.getLogger(__name__)
 
 DEFAULT_CACHE_BYTES = 256 << 20
+# The compile threads' nice value: the steps' threads (nice 0) keep the cores while a
+# grammar compiles for seconds, and a compile still runs whenever a core would be idle.
+COMPILE_NICE = 19
 
 
 @dataclass(slots=True)
@@ -54,7 +58,9 @@ class GrammarCompiler:
         self._backend: GrammarBackend | None = None
         self._backend_lock = threading.Lock()
         self.cache_bytes = cache_bytes
-        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="rsgl-grammar")
+        self._pool = ThreadPoolExecutor(
+            max(1, threads), thread_name_prefix="rsgl-grammar", initializer=_yield_the_cores
+        )
         self._lock = threading.Lock()
         # constraint -> (compiled or GrammarError, bytes)
         self._cache: OrderedDict[Constraint, tuple[Any, int]] = OrderedDict()
@@ -129,3 +135,14 @@ class GrammarCompiler:
 
 
 __all__ = ["DEFAULT_CACHE_BYTES", "CompilerStats", "GrammarCompiler"]
+
+
+def _yield_the_cores() -> None:
+    """Lowers the calling thread's scheduling priority (on Linux a thread's nice value is
+    its own, and the threads it starts inherit it: the backend's compile workers too)."""
+    if not hasattr(os, "setpriority"):
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
+    except OSError as exc:  # a sandbox may refuse it: compiles then compete as before
+        logger.warning("could not lower the grammar compile threads' priority: %s", exc)

@@ -360,18 +360,7 @@ class Sampler:
     ) -> torch.Tensor:
         """A token from each row's filtered distribution (the exponential race)."""
         vocab = logits.shape[1]
-        probs = filtered_probs(
-            logits,
-            state.temperature.device[req_slots],
-            state.top_k.device[req_slots],
-            state.top_p.device[req_slots],
-            state.min_p.device[req_slots],
-            truncate=bool(
-                (state.top_k.host[req_slots_host] < vocab).any()
-                or (state.top_p.host[req_slots_host] < 1).any()
-            ),
-            use_min_p=bool((state.min_p.host[req_slots_host] > 0).any()),
-        )
+        probs = slot_filtered_probs(logits, state, req_slots, req_slots_host)
         seeds = state.seed.device[req_slots]
         drawn = torch.randint(
             0, _MASK64, (seeds.shape[0],), generator=self.generator, device=self.device
@@ -379,6 +368,29 @@ class Sampler:
         seeds = torch.where(seeds >= 0, seeds, drawn)
         noise = exponential_noise(seeds, positions, vocab)
         return (probs / noise).argmax(dim=-1)
+
+
+def slot_filtered_probs(
+    logits: torch.Tensor,
+    state: SlotSamplingState,
+    req_slots: torch.Tensor,
+    req_slots_host: np.ndarray,
+) -> torch.Tensor:
+    """`filtered_probs` of each row under its request slot's temperature, top-k, top-p and
+    min-p (`req_slots` on the device, per row; `req_slots_host`: the slots of those rows,
+    to decide on the host which filters any row needs)."""
+    return filtered_probs(
+        logits,
+        state.temperature.device[req_slots],
+        state.top_k.device[req_slots],
+        state.top_p.device[req_slots],
+        state.min_p.device[req_slots],
+        truncate=bool(
+            (state.top_k.host[req_slots_host] < logits.shape[1]).any()
+            or (state.top_p.host[req_slots_host] < 1).any()
+        ),
+        use_min_p=bool((state.min_p.host[req_slots_host] > 0).any()),
+    )
 
 
 def plain_greedy(state: SlotSamplingState, req_slots_host: np.ndarray) -> bool:

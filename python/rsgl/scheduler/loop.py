@@ -108,6 +108,8 @@ class _Launched:
     plan: Plan
     result: LaunchedStep
     mask: StepMask | None = None
+    # The draft limit it was planned under (speculation: > 0 is the drafting way).
+    draft_limit: int = 0
     # When the loop began planning it (the cost the draft policy measures runs from here,
     # or from the previous step's end when that came later: steps overlap).
     planned_at: float = 0.0
@@ -169,6 +171,7 @@ class SchedulerLoop:
         self._stopping = False
         self.error: BaseException | None = None
         self.steps = 0
+        self.overlapped_steps = 0  # steps launched while the one before was in flight
         # Speculation: steps that verified drafts; the request rows with drafts in them, their
         # drafts, and the tokens those rows committed (accepted drafts + one each).
         self.verify_steps = 0
@@ -465,7 +468,7 @@ class SchedulerLoop:
                 self._drain_inbox(block=idle, timeout=self._expire_compiles())
                 if self._stopping:
                     break
-                planned_at = time.perf_counter()
+                planned_at, limit = time.perf_counter(), 0
                 if self.draft_policy is not None:
                     limit = self.draft_policy.draft_limit()
                     self.core.set_draft_limit(limit)
@@ -487,8 +490,9 @@ class SchedulerLoop:
                             prepared, a, f, m
                         ),
                     )
-                    nxt = _Launched(plan, result, mask, planned_at)
+                    nxt = _Launched(plan, result, mask, limit, planned_at)
                     self.steps += 1
+                    self.overlapped_steps += launched is not None
                 if launched is not None:
                     self._process(launched)
                 if nxt is not None and nxt.mask is not None:
@@ -633,6 +637,7 @@ class SchedulerLoop:
             out = launched.result.result()
             tokens = out.next_token_ids.numpy()
         except Exception as exc:  # noqa: BLE001 - isolated: only this step's requests fail
+            self._last_step_done = time.perf_counter()
             self._fail_step(launched.plan, exc)
             return
         done_at, previous_done = time.perf_counter(), self._last_step_done
@@ -648,7 +653,7 @@ class SchedulerLoop:
         if self.draft_policy is not None and plan.forward_mode == "decode":
             self.draft_policy.observe(
                 len(plan.rids),
-                drafted=bool(plan.draft_lens.any()),
+                drafting=launched.draft_limit > 0,
                 seconds=done_at - max(launched.planned_at, previous_done),
                 tokens=len(outcome.tokens),
             )

@@ -467,7 +467,9 @@ class Frontend:
 
 
 def sum_stats(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Several ranks' statistics as one: counts summed, `new_token_ratio` averaged."""
+    """Several ranks' statistics as one: counts summed, `new_token_ratio` averaged, the
+    speculation's accept length recomputed from the summed counts and its draft limit the
+    largest rank's."""
     if len(per_rank) == 1:
         return dict(per_rank[0])
     total: dict[str, Any] = {}
@@ -476,4 +478,8 @@ def sum_stats(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
             total[key] = total.get(key, 0) + value
     if per_rank and "new_token_ratio" in total:
         total["new_token_ratio"] /= len(per_rank)
+    if "spec_drafted_rows" in total:
+        rows = total["spec_drafted_rows"]
+        total["spec_accept_length"] = total["spec_committed_tokens"] / rows if rows else 0.0
+        total["spec_draft_limit"] = max(s.get("spec_draft_limit", 0) for s in per_rank)
     return total

@@ -43,9 +43,9 @@ from rsgl.layers.sampler import (
     apply_logit_bias,
     argmax_rows,
     exponential_noise,
-    filtered_probs,
     mask_stop_ids,
     plain_greedy,
+    slot_filtered_probs,
 )
 
 _SEED_BOUND = (1 << 63) - 1
@@ -306,18 +306,7 @@ def _candidates(
     slots = rows.slots[sampled_d]
     sampled_slots = req_slots[~greedy_reqs]
     vocab = logits.shape[1]
-    probs = filtered_probs(
-        logits[sampled_d],
-        state.temperature.device[slots],
-        state.top_k.device[slots],
-        state.top_p.device[slots],
-        state.min_p.device[slots],
-        truncate=bool(
-            (state.top_k.host[sampled_slots] < vocab).any()
-            or (state.top_p.host[sampled_slots] < 1).any()
-        ),
-        use_min_p=bool((state.min_p.host[sampled_slots] > 0).any()),
-    )
+    probs = slot_filtered_probs(logits[sampled_d], state, slots, sampled_slots)
     drawn = torch.randint(
         0,
         _SEED_BOUND,

@@ -4,15 +4,17 @@ A verify step computes 1 + k tokens per drafting request and commits each one's 
 drafts plus one token; a plain decode step computes and commits one token per request. Which
 is cheaper per committed token depends on the machine (on a CPU a verify of 5 tokens at batch
 1 costs ~1.3-2.4x a decode, at batch 64 ~3x), on the batch size and on how often the
-workload's drafts are accepted, so it is measured rather than assumed: decode steps are
+workload's drafts are accepted, so it is measured rather than assumed. Decode steps are
 grouped by batch size (powers of two), and for each group an exponential average of seconds
-per committed token is kept for steps with drafts and for steps without. A group drafts while
-its verify steps cost less per token; a group without both figures tries each, and the
-losing way is tried again every `explore_every` steps of the group, so that a change in the
-workload (drafts accepted more or less often) is noticed. A try that confirms the choice
-doubles the group's interval (up to `max_explore_every`: at batch 64 a verify step costs
-~3 plain ones, so a try every 64 steps alone would cost ~3%); a turn of the choice resets
-it.
+per committed token is kept for each way of running: drafting (steps planned with a draft
+limit, which wait for the step before them, whether or not any request found drafts) and
+plain (steps that overlap). A step just after a change of way is not measured: it pays the
+change (a plain step after a verify has nothing to overlap with). A group drafts while
+drafting costs less per token; a group without both figures tries each, and the losing way
+is tried again (two steps: the change, then one measured) every `explore_every` steps of the
+group, so that a change in the workload (drafts accepted more or less often) is noticed. A
+try that confirms the choice doubles the group's interval (up to `max_explore_every`: at
+batch 64 a verify step costs ~3 plain ones); a turn of the choice resets it.
 """
 
 from __future__ import annotations
@@ -21,23 +23,27 @@ from dataclasses import dataclass, field
 
 # Weight of the newest step in a group's averages.
 ALPHA = 0.2
+# Steps of a try of the other way: the change, then one measured step.
+TRY_STEPS = 2
 
 
 @dataclass(slots=True)
 class _Group:
     """One batch-size group's averages (None: not measured yet), the steps between tries
-    of the way it does not choose (0: `explore_every`), and the steps since the last try."""
+    of the way it does not choose (0: `explore_every`), the steps since the last try, and
+    the steps left of a try under way."""
 
     verify: float | None = None
     plain: float | None = None
     interval: int = 0
     since_try: int = 0
+    trying: int = 0
 
-    def add(self, drafted: bool, cost: float) -> None:
-        """One step's seconds per committed token, into the average of its kind."""
-        old = self.verify if drafted else self.plain
+    def add(self, drafting: bool, cost: float) -> None:
+        """One step's seconds per committed token, into the average of its way."""
+        old = self.verify if drafting else self.plain
         new = cost if old is None else old + ALPHA * (cost - old)
-        if drafted:
+        if drafting:
             self.verify = new
         else:
             self.plain = new
@@ -53,6 +59,7 @@ class DraftPolicy:
     max_explore_every: int = 1024
     groups: dict[int, _Group] = field(default_factory=dict)
     batch: int = 1  # the last decode step's batch size: the next one's best guess
+    _last_way: bool | None = None  # whether the last observed step was planned to draft
 
     @staticmethod
     def group_of(batch: int) -> int:
@@ -69,32 +76,38 @@ class DraftPolicy:
         if group.plain is None:
             return 0
         speculate = group.verify < group.plain
-        group.since_try += 1
-        if group.since_try >= (group.interval or self.explore_every):
-            group.since_try = 0
-            speculate = not speculate  # keep the other figure fresh
+        if group.trying > 0:
+            group.trying -= 1
+            speculate = not speculate
+        else:
+            group.since_try += 1
+            if group.since_try >= (group.interval or self.explore_every):
+                group.since_try, group.trying = 0, TRY_STEPS - 1
+                speculate = not speculate  # keep the other figure fresh
         return self.max_drafts if speculate else 0
 
-    def observe(self, batch: int, drafted: bool, seconds: float, tokens: int) -> None:
-        """A decode step of `batch` requests (with drafts or not) took `seconds` and
+    def observe(self, batch: int, drafting: bool, seconds: float, tokens: int) -> None:
+        """A decode step of `batch` requests, planned to draft or not, took `seconds` and
         committed `tokens`."""
         self.batch = batch
-        if tokens <= 0:
+        changed = self._last_way is not None and drafting != self._last_way
+        self._last_way = drafting
+        if tokens <= 0 or changed:
             return
         group = self.groups.setdefault(self.group_of(batch), _Group())
         cost = seconds / tokens
         if group.verify is None or group.plain is None:
-            group.add(drafted, cost)
+            group.add(drafting, cost)
             return
         chosen = group.verify < group.plain  # whether the group drafts now
-        group.add(drafted, cost)
+        group.add(drafting, cost)
         if (group.verify < group.plain) != chosen:  # the choice turns: watch it closely
-            group.interval, group.since_try = self.explore_every, 0
-        elif drafted != chosen:  # a try of the other way confirmed the choice
+            group.interval, group.since_try, group.trying = self.explore_every, 0, 0
+        elif drafting != chosen:  # a try of the other way confirmed the choice
             group.interval = min(2 * (group.interval or self.explore_every), self.max_explore_every)
 
     def summary(self) -> dict[str, dict[str, float | None]]:
-        """Each group's seconds per committed token with and without drafts."""
+        """Each group's seconds per committed token drafting and plain."""
         return {
             str(size): {"verify_s_per_token": g.verify, "plain_s_per_token": g.plain}
             for size, g in sorted(self.groups.items())
