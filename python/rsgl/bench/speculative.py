@@ -10,9 +10,14 @@ are accepted on average.
 
 `--parts workloads` serves a copy-heavy workload (`copy_heavy_messages`: passages, functions
 and JSON documents echoed with one edit) and a free-writing one (open questions) through two
-engines in one process, speculation off and on, greedy and at temperature 0.7 (seeded, so
-both engines emit the same tokens and only the time differs), at each concurrency: output
-tokens per second of each, their ratio, the average accept length and drafts per verify step.
+engines in one process, speculation off and on, greedy and at temperature 0.7 (seeded), at
+each concurrency: output tokens per second of each, their ratio, the average accept length
+and drafts per verify step, and whether the outputs were identical (medians of `--rounds`
+alternated runs). Every request generates
+`--output-len` tokens (`ignore_eos`), so both engines run the same batches however their
+tokens compare: in float32 they are identical; in bfloat16 a verify step's logits (an
+extend's kernels) round otherwise than a decode step's, so a near-tie may go the other way
+and the text diverge from there.
 
     rsgl bench speculative --parts workloads --concurrency 1,4,16,64
 """
@@ -211,19 +216,19 @@ def verify_cost(args: argparse.Namespace) -> list[dict[str, object]]:
 
 def _serve_wave(
     engine: Engine, messages: list[list[dict[str, str]]], params: dict[str, Any], concurrency: int
-) -> tuple[float, int]:
-    """Seconds to serve every request with at most `concurrency` in flight, and the
-    completion tokens."""
+) -> tuple[float, list[list[int]]]:
+    """Seconds to serve every request with at most `concurrency` in flight, and each
+    request's output ids."""
 
-    def one(i: int) -> int:
+    def one(i: int) -> list[int]:
         p = dict(params, seed=params["seed"] + i) if "seed" in params else params
-        out = engine.generate(messages=messages[i], sampling_params=p)
-        return int(out["meta_info"]["completion_tokens"])
+        ids: list[int] = engine.generate(messages=messages[i], sampling_params=p)["output_ids"]
+        return ids
 
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        tokens = sum(pool.map(one, range(len(messages))))
-    return time.perf_counter() - t0, tokens
+        outputs = list(pool.map(one, range(len(messages))))
+    return time.perf_counter() - t0, outputs
 
 
 def workloads(args: argparse.Namespace) -> list[dict[str, object]]:
@@ -244,15 +249,31 @@ def workloads(args: argparse.Namespace) -> list[dict[str, object]]:
                 params: dict[str, Any] = {
                     "temperature": temperature,
                     "max_new_tokens": args.output_len,
+                    "ignore_eos": True,
                 }
                 if temperature:
                     params["seed"] = args.seed
                 for concurrency in [int(c) for c in args.concurrency.split(",")]:
                     messages = make(max(concurrency, args.min_requests), args.seed)
                     _serve_wave(plain, messages[:1], dict(params, max_new_tokens=4), 1)
-                    off_s, off_tokens = _serve_wave(plain, messages, params, concurrency)
                     before = spec.get_server_info()["speculative"]
-                    on_s, on_tokens = _serve_wave(spec, messages, params, concurrency)
+                    off_rates: list[float] = []
+                    on_rates: list[float] = []
+                    off_ids: list[list[int]] = []
+                    on_ids: list[list[int]] = []
+                    for r in range(args.rounds):
+                        # Alternated, and each engine first every other round: drifting
+                        # load and the second run's warmer caches favour neither.
+                        for engine in (plain, spec) if r % 2 == 0 else (spec, plain):
+                            seconds, ids = _serve_wave(engine, messages, params, concurrency)
+                            rate = sum(map(len, ids)) / seconds
+                            if engine is plain:
+                                off_rates.append(rate)
+                                off_ids = ids
+                            else:
+                                on_rates.append(rate)
+                                on_ids = ids
+                    off_rate, on_rate = statistics.median(off_rates), statistics.median(on_rates)
                     after = spec.get_server_info()["speculative"]
                     delta = {k: after[k] - before[k] for k in after}
                     drafted = delta["spec_drafted_rows"]
@@ -263,10 +284,10 @@ def workloads(args: argparse.Namespace) -> list[dict[str, object]]:
                             "temperature": temperature,
                             "concurrency": concurrency,
                             "requests": len(messages),
-                            "off_tok_s": round(off_tokens / off_s, 1),
-                            "on_tok_s": round(on_tokens / on_s, 1),
-                            "ratio": round((on_tokens / on_s) / (off_tokens / off_s), 3),
-                            "same_tokens": on_tokens == off_tokens,
+                            "off_tok_s": round(off_rate, 1),
+                            "on_tok_s": round(on_rate, 1),
+                            "ratio": round(on_rate / off_rate, 3),
+                            "identical_outputs": on_ids == off_ids,
                             "accept_length": round(
                                 delta["spec_committed_tokens"] / drafted if drafted else 0, 3
                             ),
@@ -301,6 +322,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--num-draft-tokens", type=int, default=5, help="workloads: spec on")
     parser.add_argument("--ngram-min", type=int, default=1, help="workloads: min window")
     parser.add_argument("--max-total-tokens", type=int, default=65536)
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="workloads: off/on runs per cell (medians)"
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
