@@ -25,12 +25,14 @@ class Counting(GrammarBackend):
         self.real, self.size = real, size
         self.compiles: list[Constraint] = []
         self.nice: list[int] = []  # each compile's thread's nice value
+        self.policy: list[int] = []  # and its scheduling policy
         self.gate = threading.Event()
         self.gate.set()
 
     def compile(self, constraint: Constraint) -> Any:
         self.compiles.append(constraint)
         self.nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        self.policy.append(os.sched_getscheduler(threading.get_native_id()))
         self.gate.wait()
         return self.real.compile(constraint)
 
@@ -114,5 +116,7 @@ def test_compiles_run_at_the_lowest_priority_and_leave_the_caller_alone(
     compiler = GrammarCompiler(lambda: counting)
     compiler.submit(SCHEMA).result(timeout=60)
     assert counting.nice == [COMPILE_NICE]
+    assert counting.policy == [os.SCHED_IDLE]  # it runs only where a core would idle
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller
+    assert os.sched_getscheduler(threading.get_native_id()) != os.SCHED_IDLE
     compiler.shutdown()
