@@ -4,6 +4,8 @@ re-tries the losing way, less often while the tries confirm the choice."""
 
 from __future__ import annotations
 
+import pytest
+
 from rsgl.speculative.policy import TRY_STEPS, DraftPolicy
 
 
@@ -111,3 +113,38 @@ def test_a_step_that_committed_nothing_changes_no_average() -> None:
 def test_a_policy_that_is_not_adaptive_always_drafts() -> None:
     policy = DraftPolicy(max_drafts=3, adaptive=False)
     assert _steps(policy, 8, verify_cost=5.0, plain_cost=1.0, n=100) == [3] * 100
+
+
+def test_a_way_costs_its_seconds_over_its_tokens_not_an_average_of_step_ratios() -> None:
+    # Drafting: a verify committing 5 tokens in 50 ms, then a step whose request paused its
+    # drafts (1 token, 40 ms, nothing to overlap): 90 ms for 6 tokens, 15 ms each, cheaper
+    # than plain's 20 ms (the mean of the steps' ratios, 25 ms, would say otherwise).
+    policy = DraftPolicy(max_drafts=4, explore_every=1000)
+    for _ in range(20):
+        policy.observe(1, True, 0.050, 5)
+        policy.observe(1, True, 0.040, 1)
+    policy.observe(1, False, 0.020, 1)  # the change of way: not measured
+    for _ in range(5):
+        policy.observe(1, False, 0.020, 1)
+    costs = policy.summary()["1"]
+    assert costs["plain_s_per_token"] == pytest.approx(0.020)
+    assert 0.013 < costs["verify_s_per_token"] < 0.017  # type: ignore[operator]
+    assert policy.draft_limit() == 4
+
+
+def test_steps_planned_to_draft_without_drafts_count_only_until_a_verify_is_seen() -> None:
+    # Nobody drafts (every request constrained, say): those steps are the drafting way's
+    # cost, which loses to overlapped plain steps, so the group turns plain.
+    policy = DraftPolicy(max_drafts=4)
+    policy.observe(8, True, 0.030, 8, drafted=False)
+    policy.observe(8, False, 0.020, 8)  # the change
+    policy.observe(8, False, 0.020, 8)
+    policy.batch = 8
+    assert policy.draft_limit() == 0
+    # Once a verify is measured, a step whose requests all paused their drafts does not
+    # dilute it.
+    policy = DraftPolicy(max_drafts=4)
+    policy.observe(8, True, 0.040, 32, drafted=True)
+    verify = policy.summary()["8"]["verify_s_per_token"]
+    policy.observe(8, True, 0.030, 8, drafted=False)
+    assert policy.summary()["8"]["verify_s_per_token"] == verify

@@ -654,6 +654,7 @@ class SchedulerLoop:
             self.draft_policy.observe(
                 len(plan.rids),
                 drafting=launched.draft_limit > 0,
+                drafted=bool(plan.draft_lens.any()),
                 seconds=done_at - max(launched.planned_at, previous_done),
                 tokens=len(outcome.tokens),
             )
