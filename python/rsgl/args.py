@@ -27,6 +27,9 @@ KV_CACHE_DTYPES: dict[str, str | None] = {
     "fp16": "float16",
     "bfloat16": "bfloat16",
     "bf16": "bfloat16",
+    "fp8_e5m2": "float8_e5m2",
+    "fp8_e4m3": "float8_e4m3fn",
+    "int8": "int8",
 }
 
 LOAD_FORMATS = ("auto", "dummy", "null")
@@ -102,7 +105,10 @@ class EngineArgs:
     )
     kv_cache_dtype: str = option(
         "auto",
-        "K/V storage dtype (auto: the model's; float16/bfloat16 halve a float32 cache)",
+        "K/V storage dtype (auto: the model's; float16/bfloat16 halve a float32 cache; "
+        "fp8_e5m2/fp8_e4m3 store 8-bit floats, saturated; int8 stores 8-bit integers with a "
+        "float32 scale per token and kv head: a quarter of float32's bytes, and the pool "
+        "holds that many more tokens)",
         choices=list(KV_CACHE_DTYPES),
     )
     context_length: int | None = option(None, "context length (default: the model's)")

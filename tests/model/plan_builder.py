@@ -100,9 +100,14 @@ class Driver:
         return self.runner.step(build_plan(works), return_logits=return_logits)
 
     def greedy(
-        self, seq: Sequence, new_tokens: int, chunk: int | None = None
+        self,
+        seq: Sequence,
+        new_tokens: int,
+        chunk: int | None = None,
+        forced: list[int] | None = None,
     ) -> tuple[list[int], list[np.ndarray]]:
-        """Prefill (in chunks of `chunk`) then decode; returns tokens and per-token logits."""
+        """Prefill (in chunks of `chunk`) then decode; returns tokens and per-token logits.
+        With `forced`, token i fed back is forced[i] (the returned tokens stay the argmax)."""
         remaining = len(seq.tokens) - seq.cached
         out = None
         while remaining:
@@ -117,7 +122,7 @@ class Driver:
             logits.append(out.logits[0].numpy().copy())
             token = int(out.next_token_ids[0])
             tokens.append(token)
-            seq.tokens.append(token)
+            seq.tokens.append(token if forced is None else forced[i])
             if i + 1 < new_tokens:
                 out = self.run([self.work(seq, 1)])
         return tokens, logits

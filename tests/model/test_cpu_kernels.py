@@ -253,3 +253,137 @@ def test_the_kernels_are_built_for_the_features_rsgl_reports(kernels: CpuKernels
     for feature in ("avx512f", "avx512_bf16", "avx2", "fma", "f16c"):
         assert (feature in kernels.isa) == (feature in flags), (feature, kernels.isa)
     assert ("sse2" in kernels.isa) == ("avx" not in flags)
+
+
+EIGHT_BIT = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
+
+
+def _fp8_probe_values(kv_dtype: torch.dtype) -> torch.Tensor:
+    """Every value of an fp8 format, the midpoints between neighbours (ties to even), points
+    just off them, values past its largest, denormals and -0 (one head of 64 per row)."""
+    grid = torch.arange(256, dtype=torch.uint8).view(kv_dtype).float()
+    grid = grid[torch.isfinite(grid)].unique()
+    mid = (grid[1:] + grid[:-1]) / 2
+    probes = [grid, mid, torch.nextafter(mid, grid[1:]), torch.nextafter(mid, grid[:-1])]
+    probes.append(torch.tensor([1e9, -1e9, 500.0, 460.0, 6e4, -0.0, 1e-30, 3e-10]))
+    values = torch.cat(probes)
+    return torch.cat([values, torch.zeros(-len(values) % 64)]).view(-1, 1, 64)
+
+
+@pytest.mark.parametrize("kv_dtype", EIGHT_BIT)
+def test_8_bit_stores_write_the_bytes_torch_writes(
+    kernels: CpuKernels, kv_dtype: torch.dtype
+) -> None:
+    from rsgl.model_executor.kv_cache import KVCache
+
+    if kv_dtype == torch.int8:
+        gen = torch.Generator().manual_seed(3)
+        rows = torch.randn(40, 1, 64, generator=gen) * torch.logspace(-6, 4, 40).view(-1, 1, 1)
+        rows[0] = 0.0  # amax 0: zeros and a zero scale
+        rows[1, 0, :4] = torch.tensor([127.0, 0.5, -0.5, 1.5])  # ties to even
+        values = rows
+    else:
+        values = _fp8_probe_values(kv_dtype)
+    b, dim = values.shape[0], 64
+    # The values go in as V and as K under an identity rotation (cos 1, sin 0 leave them).
+    qkv = torch.cat([torch.zeros(b, dim), values.view(b, dim), values.view(b, dim)], dim=1)
+    cis = torch.view_as_real(torch.ones(b, dim // 2, dtype=torch.complex64))
+    fused = KVCache(b + 1, 1, 1, dim, kv_dtype, "cpu")
+    eager = KVCache(b + 1, 1, 1, dim, kv_dtype, "cpu")
+    loc = torch.arange(1, b + 1)
+    table = loc.view(b, 1).to(torch.int32)
+    scales = (fused.k_scales[0], fused.v_scales[0]) if fused.scaled else (None, None)
+    kernels.decode_layer(
+        qkv, cis, loc, fused.k_buffers[0], fused.v_buffers[0], table, torch.arange(b),
+        torch.ones(b, dtype=torch.int64), 1, 0.125, *scales,
+    )  # fmt: skip
+    eager.set_kv(0, loc, values, values)
+    for got, want in [
+        (fused.k_buffers[0], eager.k_buffers[0]),
+        (fused.v_buffers[0], eager.v_buffers[0]),
+        (fused.k_scales[0], eager.k_scales[0]),
+        (fused.v_scales[0], eager.v_scales[0]),
+    ]:
+        assert torch.equal(_bits(got), _bits(want))
+    k, v = fused.get_kv(0, loc, torch.float32)
+    assert torch.isfinite(k).all() and torch.equal(k, v)
+    if kv_dtype != torch.int8:
+        # Saturated at the largest finite value, never infinity or NaN.
+        top = torch.finfo(kv_dtype).max
+        assert float(k.max()) == top and float(k.min()) == -top
+
+
+@pytest.mark.parametrize("kv_dtype", EIGHT_BIT)
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dim", "heads", "kv_heads"), [(64, 9, 3), (128, 4, 2), (40, 6, 2)])
+def test_8_bit_caches_attend_over_their_stored_values(
+    kernels: CpuKernels,
+    kv_dtype: torch.dtype,
+    act: torch.dtype,
+    dim: int,
+    heads: int,
+    kv_heads: int,
+) -> None:
+    from rsgl.model_executor.kv_cache import KVCache
+
+    gen = torch.Generator().manual_seed(dim + heads)
+    lens = [int(n) for n in torch.randint(1, 70, (17,), generator=gen)]
+    lens[1], lens[2] = 1, 32
+    b = len(lens)
+    cache = KVCache(2048, 1, kv_heads, dim, kv_dtype, "cpu")
+    everything = torch.arange(2048)
+    cache.set_kv(
+        0,
+        everything,
+        torch.randn(2048, kv_heads, dim, generator=gen) * 3,
+        torch.randn(2048, kv_heads, dim, generator=gen),
+    )
+    slots = torch.randperm(2047, generator=gen)[: sum(lens)] + 1
+    table = torch.zeros(20, 70, dtype=torch.int32)
+    req_slots = torch.randperm(20, generator=gen)[:b]
+    seq_slots = slots.split(lens)
+    for row, sl in zip(req_slots.tolist(), seq_slots, strict=True):
+        table[row, : len(sl)] = sl.to(torch.int32)
+    loc = torch.stack([sl[-1] for sl in seq_slots]).long()
+    qkv = (torch.randn(b, (heads + 2 * kv_heads) * dim, generator=gen) * 2).to(act)
+    angles = torch.rand(b, 1, dim // 2, generator=gen) * 6
+    cis = torch.polar(torch.ones_like(angles), angles)
+    scales = (cache.k_scales[0], cache.v_scales[0]) if cache.scaled else (None, None)
+
+    out = kernels.decode_layer(
+        qkv, torch.view_as_real(cis), loc, cache.k_buffers[0], cache.v_buffers[0], table,
+        req_slots, torch.tensor(lens), heads, dim**-0.5, *scales,
+    )  # fmt: skip
+
+    # The new keys: the rotation's last float bit may differ from torch's, so within one
+    # step of the format (int8: the head's scale; fp8: 2^-mantissa bits relative).
+    k_new = apply_rotary(qkv[:, : (heads + kv_heads) * dim].view(b, -1, dim), cis)[:, heads:]
+    k_new = k_new.float()
+    stored, _ = cache.get_kv(0, loc, torch.float32)
+    if cache.scaled:
+        step = cache.k_scales[0][loc].unsqueeze(-1)
+    else:
+        # (mantissa bits, the denormals' step)
+        bits, tiny = {torch.float8_e4m3fn: (3, 2.0**-9), torch.float8_e5m2: (2, 2.0**-16)}[kv_dtype]
+        step = k_new.abs() * 2.0**-bits + tiny
+    assert ((stored - k_new).abs() <= step * 1.01).all()
+    q = apply_rotary(qkv[:, : heads * dim].view(b, heads, dim), cis).to(act).float()
+    tol = 1e-5 if act == torch.float32 else 2e-2
+    for i, sl in enumerate(seq_slots):
+        k, v = cache.get_kv(0, sl, torch.float32)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[i].unsqueeze(1), k.transpose(0, 1), v.transpose(0, 1), enable_gqa=True
+        )
+        torch.testing.assert_close(
+            out[i].view(heads, dim).float(), ref.squeeze(1), atol=tol, rtol=tol
+        )
+    with pytest.raises(ValueError, match="scales"):
+        kernels.decode_layer(
+            qkv, torch.view_as_real(cis), loc, cache.k_buffers[0], cache.v_buffers[0], table,
+            req_slots, torch.tensor(lens), heads, dim**-0.5,
+            *((None, None) if cache.scaled else (cache.k_scales[0], cache.v_scales[0])),
+        )  # fmt: skip

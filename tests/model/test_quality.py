@@ -47,7 +47,8 @@ def test_compare_measures_distance_and_agreement() -> None:
 def qualities() -> dict[str, Quality]:
     if load_cpu_kernels() is None:
         pytest.skip("no C compiler: low-bit weights need the C kernels")
-    return {q.mode: q for q in measure(None, ["gguf", "int8", "int4"], max_tokens=256)}
+    modes = ["gguf", "int8", "int4", "kv:int8", "kv:fp8_e4m3", "kv:fp8_e5m2", "gguf+kv:int8"]
+    return {q.mode: q for q in measure(None, modes, max_tokens=256)}
 
 
 def test_gguf_blocks_are_the_float32_models_own_weights(qualities: dict[str, Quality]) -> None:
@@ -62,7 +63,15 @@ def test_gguf_blocks_are_the_float32_models_own_weights(qualities: dict[str, Qua
     # Measured on 884 tokens: int8 per channel KLD 0.0037, top-1 0.959; int4 groups of 32
     # KLD 0.0010, top-1 0.975 (the file's weights are Q4_1 already: groups of 32 that
     # int4 re-quantizes almost losslessly; one scale per row of int8 fits them worse).
-    [("int8", 0.01, 0.92), ("int4", 0.005, 0.94)],
+    # KV caches, on these 255 tokens (Sapphire Rapids): int8 (a scale per token and head)
+    # KLD 0.00047, top-1 0.973; fp8_e4m3 0.0052, 0.957; fp8_e5m2 0.021, 0.902.
+    [
+        ("int8", 0.01, 0.92),
+        ("int4", 0.005, 0.94),
+        ("kv:int8", 0.001, 0.95),
+        ("kv:fp8_e4m3", 0.01, 0.92),
+        ("kv:fp8_e5m2", 0.04, 0.85),
+    ],
 )
 def test_load_time_quantization_stays_within_its_budget(
     qualities: dict[str, Quality], mode: str, max_kld: float, min_top1: float
@@ -72,3 +81,12 @@ def test_load_time_quantization_stays_within_its_budget(
     assert 0 < q.kld_mean < max_kld, q
     assert q.top1_agreement >= min_top1, q
     assert abs(q.delta_ppl) < 0.05 * q.ref_ppl, q
+
+
+def test_exact_weights_with_an_int8_cache_cost_what_the_cache_costs(
+    qualities: dict[str, Quality],
+) -> None:
+    # The GGUF blocks are the float32 model's own weights: only the cache moves the logits.
+    both, cache = qualities["gguf+kv:int8"], qualities["kv:int8"]
+    assert both.kld_mean == pytest.approx(cache.kld_mean, rel=1e-3)
+    assert both.top1_agreement == cache.top1_agreement

@@ -1,7 +1,10 @@
-"""`rsgl bench quality`: what low-bit weights cost in accuracy, teacher-forced on a fixed text.
+"""`rsgl bench quality`: what low-bit weights and KV caches cost in accuracy, teacher-forced
+on a fixed text.
 
-The reference is the model as loaded, in float32 (`--quantization none`); each mode named
-by `--modes` loads the same model quantized that way. Both read the same shipped text
+The reference is the model as loaded, in float32 (`--quantization none`, a float32 KV
+cache); each mode named by `--modes` loads the same model quantized that way: a
+quantization (`gguf`, `int8`, `int4`), a KV cache dtype (`kv:int8`, `kv:fp8_e4m3`,
+`kv:fp8_e5m2`, ...), or both joined by `+` (`gguf+kv:int8`). Both read the same shipped text
 (`quality_text.txt`, ~1,000 tokens of plain English prose written for this benchmark), and
 at every position the two next-token distributions are compared (the metrics of
 llama.cpp's perplexity tool, PR #7412):
@@ -11,7 +14,7 @@ llama.cpp's perplexity tool, PR #7412):
 - `ppl` and `delta_ppl`: the mode's perplexity on the text and its difference from the
   reference's.
 
-    rsgl bench quality --modes gguf,int8,int4 [--model DIR_OR_GGUF] [--max-tokens 1024]
+    rsgl bench quality --modes gguf,int8,int4,kv:int8 [--model DIR_OR_GGUF] [--max-tokens 1024]
 """
 
 from __future__ import annotations
@@ -52,7 +55,24 @@ def text_tokens(runner: ModelRunner, max_tokens: int) -> list[int]:
     return ids[:max_tokens]
 
 
-def load(model: str | None, quantization: str, group: int | None, tokens: int) -> ModelRunner:
+def parse_mode(mode: str) -> tuple[str, str]:
+    """(quantization, kv_cache_dtype) of a mode: `int4`, `kv:int8`, `gguf+kv:fp8_e4m3`."""
+    quantization, kv = "none", "float32"
+    for part in mode.split("+"):
+        if part.startswith("kv:"):
+            kv = part.removeprefix("kv:")
+        else:
+            quantization = part
+    return quantization, kv
+
+
+def load(
+    model: str | None,
+    quantization: str,
+    group: int | None,
+    tokens: int,
+    kv_cache_dtype: str = "float32",
+) -> ModelRunner:
     return ModelRunner.from_pretrained(
         model,
         kv_buffer_size=tokens + 2,
@@ -61,6 +81,7 @@ def load(model: str | None, quantization: str, group: int | None, tokens: int) -
         dtype=torch.float32,
         quantization=quantization,
         quantization_group_size=group,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
@@ -96,8 +117,9 @@ def measure(
     targets = torch.tensor(ids[1:], dtype=torch.int64)
     results = []
     for mode in modes:
-        runner = load(model, mode, group, max_tokens)
-        if runner.loaded.quantization != mode:
+        quantization, kv = parse_mode(mode)
+        runner = load(model, quantization, group, max_tokens, kv)
+        if runner.loaded.quantization != quantization:
             raise ValueError(f"{mode} resolved to {runner.loaded.quantization}")
         results.append(compare(mode, ref_logits, runner.teacher_forced_logits(ids)[:-1], targets))
         runner.close()
@@ -107,7 +129,11 @@ def measure(
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="rsgl bench quality", description=__doc__)
     parser.add_argument("--model", default=None, help="model dir or .gguf (default: SmolLM2)")
-    parser.add_argument("--modes", default="gguf,int8,int4", help="comma-separated")
+    parser.add_argument(
+        "--modes",
+        default="gguf,int8,int4,kv:int8,kv:fp8_e4m3,kv:fp8_e5m2",
+        help="comma-separated: a quantization, kv:<KV cache dtype>, or both joined by +",
+    )
     parser.add_argument("--quantization-group-size", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=1024)
     args = parser.parse_args(argv)

@@ -5,14 +5,62 @@
      KV_SUFFIX       the instance names' suffix (FN(attend_one) -> attend_one_f16)
      KV_STORE(p,i,x) element i of p = x, rounded to nearest even
      KV_LOAD16(p)    (AVX-512 only) elements p[0:16] as a __m512 of floats
-     KV_AVX512       1 to attend with the AVX-512 intrinsics path when the CPU has it */
+     KV_AVX512       1 to attend with the AVX-512 intrinsics path when the CPU has it
+     KV_SCALED       1 for int8: each (slot, kv head) has a float32 scale in ks / vs
+                     ([slots, Hkv]); 0: ks and vs are unused (NULL) */
+
+/* With KV_SCALED, row h of sc ([H, len]) times the scale kept at each position's slot for
+   kv head h / G: a key's scale on its scores before the softmax, a value's on its
+   probabilities after it, so the loops over K and V read the stored integers as they are. */
+static inline void FN(scale_scores)(float* sc, const float* scales, const int32_t* slots,
+                                    int64_t len, int64_t H, int64_t Hkv) {
+#if KV_SCALED
+    const int64_t G = H / Hkv;
+    int64_t s0 = 0;
+#if defined(__AVX512F__)
+    /* 16 positions at a time: one gather of their scales per kv head (32-bit offsets: the
+       caller keeps the scales below 2^31 elements) */
+    for (; s0 + 16 <= len; s0 += 16) {
+        const __m512i at = _mm512_mullo_epi32(
+            _mm512_loadu_si512(slots + s0), _mm512_set1_epi32((int32_t)Hkv));
+        for (int64_t j = 0; j < Hkv; j++) {
+            const __m512 f = _mm512_i32gather_ps(
+                _mm512_add_epi32(at, _mm512_set1_epi32((int32_t)j)), scales, 4);
+            for (int64_t h = j * G; h < (j + 1) * G; h++) {
+                float* row = sc + h * len + s0;
+                _mm512_storeu_ps(row, _mm512_mul_ps(_mm512_loadu_ps(row), f));
+            }
+        }
+    }
+#endif
+    for (int64_t s = s0; s < len; s++) {
+        const float* at = scales + (int64_t)slots[s] * Hkv;
+        for (int64_t j = 0; j < Hkv; j++)
+            for (int64_t h = j * G; h < (j + 1) * G; h++) sc[h * len + s] *= at[j];
+    }
+#else
+    (void)sc, (void)scales, (void)slots, (void)len, (void)H, (void)Hkv;
+#endif
+}
+
+/* One kv head's n values x stored at dst (with its scale at *scale when KV_SCALED). */
+static inline void FN(store_head)(KV_T* dst, float* scale, const float* x, int64_t n) {
+#if KV_SCALED
+    i8_store_head(dst, scale, x, n);
+#else
+    (void)scale;
+    for (int64_t i = 0; i < n; i++) KV_STORE(dst, i, x[i]);
+#endif
+}
+
 /* Attention of one decode query (all H heads, qb) over the request's keys and values, read
    through its req_to_token row: scores for every head from one pass over the K rows, softmax,
    then one pass over the V rows. Query heads jG .. jG + G - 1 read kv head j (G = H / Hkv).
    K/V elements are KV_T, read as floats through FN(widen).
    Always inlined, so callers passing a constant D get fully unrolled inner loops. */
 static inline __attribute__((always_inline)) void FN(attend_impl)(
-    const float* qb, const KV_T* kb, const KV_T* vb, const int32_t* slots, int64_t len,
+    const float* qb, const KV_T* kb, const KV_T* vb, const float* ks, const float* vs,
+    const int32_t* slots, int64_t len,
     int64_t H, int64_t Hkv, const int64_t D, float scale, float* sc, float* row_tmp,
     float* ob) {
     const int64_t G = H / Hkv;
@@ -33,7 +81,9 @@ static inline __attribute__((always_inline)) void FN(attend_impl)(
             }
         }
     }
+    FN(scale_scores)(sc, ks, slots, len, H, Hkv);
     softmax_rows(sc, H, len);
+    FN(scale_scores)(sc, vs, slots, len, H, Hkv);
     for (int64_t i = 0; i < H * D; i++) ob[i] = 0.f;
     for (int64_t s = 0; s < len; s++) {
         if (s + PREFETCH_AHEAD < len)
@@ -143,10 +193,10 @@ static inline __attribute__((always_inline)) void FN(v_pass)(
 }
 
 static inline __attribute__((always_inline)) void FN(attend_avx512_impl)(
-    const float* qb, const KV_T* kb, const KV_T* vb, const int32_t* slots, int64_t len,
+    const float* qb, const KV_T* kb, const KV_T* vb, const float* ks, const float* vs,
+    const int32_t* slots, int64_t len,
     int64_t H, int64_t Hkv, const int64_t D, float scale, float* sc, float* tmp, float* ob) {
     const int64_t G = H / Hkv, C = D / 16, row = Hkv * D;
-    float* row_tmp = tmp;  /* a widened row */
     float* part = tmp + row;  /* H x 16 partial-sum vectors */
     const int64_t row_bytes = row * (int64_t)sizeof(KV_T);
     const __m512 vscale = _mm512_set1_ps(scale);
@@ -159,15 +209,18 @@ static inline __attribute__((always_inline)) void FN(attend_avx512_impl)(
             const int64_t s = s0 + t;
             if (s + PREFETCH_AHEAD < len)
                 prefetch_bytes(kb + (int64_t)slots[s + PREFETCH_AHEAD] * row, row_bytes);
-            const float* k = FN(widen)(kb + (int64_t)slots[s] * row, row_tmp, row);
-            for (int64_t h = 0; h < H; h++) {
-                const float* kh = k + (h / G) * D;
-                const float* qh = qb + h * D;
-                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_loadu_ps(kh));
-                for (int64_t c = 1; c < C; c++)
-                    a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c),
-                                        _mm512_loadu_ps(kh + 16 * c), a);
-                _mm512_storeu_ps(part + (h * 16 + t) * 16, a);
+            const KV_T* k = kb + (int64_t)slots[s] * row;
+            for (int64_t j = 0; j < Hkv; j++) {
+                /* kv head j widened once, into registers, for its G query heads */
+                __m512 kc[16];
+                for (int64_t c = 0; c < C; c++) kc[c] = KV_LOAD16(k + j * D + 16 * c);
+                for (int64_t h = j * G; h < (j + 1) * G; h++) {
+                    const float* qh = qb + h * D;
+                    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qh), kc[0]);
+                    for (int64_t c = 1; c < C; c++)
+                        a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c), kc[c], a);
+                    _mm512_storeu_ps(part + (h * 16 + t) * 16, a);
+                }
             }
         }
         FN(finish16)(part, H, vscale, sc + s0, len);
@@ -183,14 +236,17 @@ static inline __attribute__((always_inline)) void FN(attend_avx512_impl)(
             sc[h * len + s] = _mm512_reduce_add_ps(a) * scale;
         }
     }
+    FN(scale_scores)(sc, ks, slots, len, H, Hkv);
     softmax_rows(sc, H, len);
+    FN(scale_scores)(sc, vs, slots, len, H, Hkv);
     FN(v_pass)(sc, vb, slots, len, H, Hkv, D, ob);
 }
 #endif
 
 /* sc: len * H scores, tmp: ATTEND_TMP(H, Hkv, D) floats of scratch. */
 static void FN(attend_one)(const float* qb, const KV_T* kb, const KV_T* vb,
-                           const int32_t* slots, int64_t len, int64_t H, int64_t Hkv, int64_t D,
+                           const float* ks, const float* vs, const int32_t* slots,
+                           int64_t len, int64_t H, int64_t Hkv, int64_t D,
                            float scale, float* sc, float* tmp, float* ob) {
 #if defined(__AVX512F__)
     /* Measured per element type (decode at batch 64, ~165 positions): for 16-bit caches the
@@ -198,18 +254,18 @@ static void FN(attend_one)(const float* qb, const KV_T* kb, const KV_T* vb,
        float32 the compiler's loops below are ~15% faster on contiguous rows (equal on
        scattered), so float32 stays on them. */
     if (KV_AVX512 && D == 64)
-        return FN(attend_avx512_impl)(qb, kb, vb, slots, len, H, Hkv, 64, scale, sc, tmp, ob);
+        return FN(attend_avx512_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, 64, scale, sc, tmp, ob);
     if (KV_AVX512 && D == 128)
-        return FN(attend_avx512_impl)(qb, kb, vb, slots, len, H, Hkv, 128, scale, sc, tmp, ob);
+        return FN(attend_avx512_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, 128, scale, sc, tmp, ob);
     if (KV_AVX512 && D % 16 == 0 && D <= 256)
-        return FN(attend_avx512_impl)(qb, kb, vb, slots, len, H, Hkv, D, scale, sc, tmp, ob);
+        return FN(attend_avx512_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, D, scale, sc, tmp, ob);
 #endif
     if (D == 64)
-        FN(attend_impl)(qb, kb, vb, slots, len, H, Hkv, 64, scale, sc, tmp, ob);
+        FN(attend_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, 64, scale, sc, tmp, ob);
     else if (D == 128)
-        FN(attend_impl)(qb, kb, vb, slots, len, H, Hkv, 128, scale, sc, tmp, ob);
+        FN(attend_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, 128, scale, sc, tmp, ob);
     else
-        FN(attend_impl)(qb, kb, vb, slots, len, H, Hkv, D, scale, sc, tmp, ob);
+        FN(attend_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, D, scale, sc, tmp, ob);
 }
 
 #if defined(KV_DPBF16) && defined(__AVX512BF16__)
@@ -222,7 +278,8 @@ static void FN(attend_one)(const float* qb, const KV_T* kb, const KV_T* vb,
    path's. Measured on one Xeon core (AMX, AVX512-BF16), SmolLM2's shapes (9 query heads,
    3 KV heads, D 64) at batch 64 x 164 positions: see attend_one. */
 static inline __attribute__((always_inline)) void FN(attend_dp_impl)(
-    const float* qb, const KV_T* kb, const KV_T* vb, const int32_t* slots, int64_t len,
+    const float* qb, const KV_T* kb, const KV_T* vb, const float* ks, const float* vs,
+    const int32_t* slots, int64_t len,
     int64_t H, int64_t Hkv, const int64_t D, float scale, float* sc, float* tmp, float* ob) {
     const int64_t G = H / Hkv, C2 = D / 32, row = Hkv * D;
     const int64_t row_bytes = row * (int64_t)sizeof(KV_T);
@@ -266,21 +323,24 @@ static inline __attribute__((always_inline)) void FN(attend_dp_impl)(
             sc[h * len + s] = _mm512_reduce_add_ps(a) * scale;
         }
     }
+    FN(scale_scores)(sc, ks, slots, len, H, Hkv);
     softmax_rows(sc, H, len);
+    FN(scale_scores)(sc, vs, slots, len, H, Hkv);
     FN(v_pass)(sc, vb, slots, len, H, Hkv, D, ob);
 }
 
 /* attend_one for queries that hold bfloat16 values (see attend_dp_impl). */
 static void FN(attend_one_q16)(const float* qb, const KV_T* kb, const KV_T* vb,
-                               const int32_t* slots, int64_t len, int64_t H, int64_t Hkv,
+                               const float* ks, const float* vs, const int32_t* slots,
+                               int64_t len, int64_t H, int64_t Hkv,
                                int64_t D, float scale, float* sc, float* tmp, float* ob) {
     if (D == 64)
-        return FN(attend_dp_impl)(qb, kb, vb, slots, len, H, Hkv, 64, scale, sc, tmp, ob);
+        return FN(attend_dp_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, 64, scale, sc, tmp, ob);
     if (D == 128)
-        return FN(attend_dp_impl)(qb, kb, vb, slots, len, H, Hkv, 128, scale, sc, tmp, ob);
+        return FN(attend_dp_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, 128, scale, sc, tmp, ob);
     if (D % 32 == 0 && D <= 256)
-        return FN(attend_dp_impl)(qb, kb, vb, slots, len, H, Hkv, D, scale, sc, tmp, ob);
-    FN(attend_one)(qb, kb, vb, slots, len, H, Hkv, D, scale, sc, tmp, ob);
+        return FN(attend_dp_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, D, scale, sc, tmp, ob);
+    FN(attend_one)(qb, kb, vb, ks, vs, slots, len, H, Hkv, D, scale, sc, tmp, ob);
 }
 #define ATTEND_Q16 FN(attend_one_q16)
 #else

@@ -28,7 +28,8 @@
    keys of request b are the rows kb[req_to_token[req_slots[b], 0:seq_lens[b]]]. One request
    per work item. */
 void ENTRY(rsgl_decode_attention)(
-    const ACT_T* q, const KV_T* kb, const KV_T* vb, const int32_t* req_to_token,
+    const ACT_T* q, const KV_T* kb, const KV_T* vb, const float* ks, const float* vs,
+    const int32_t* req_to_token,
     int64_t r2t_stride, const int64_t* req_slots, const int64_t* seq_lens, ACT_T* out,
     int64_t B, int64_t H, int64_t Hkv, int64_t D, float scale, int nthreads) {
     #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
@@ -45,7 +46,7 @@ void ENTRY(rsgl_decode_attention)(
         const float* qf = q + b * H * D;
         float* of = out + b * H * D;
 #endif
-        ATTEND(qf, kb, vb, req_to_token + req_slots[b] * r2t_stride, len, H, Hkv, D,
+        ATTEND(qf, kb, vb, ks, vs, req_to_token + req_slots[b] * r2t_stride, len, H, Hkv, D,
                        scale, sc, tmp, of);
 #if ACT_BF16
         for (int64_t i = 0; i < H * D; i++) bf16_store(out + b * H * D, i, of[i]);
@@ -60,10 +61,10 @@ void ENTRY(rsgl_decode_attention)(
    attend as rsgl_decode_attention. The rotated q and k are rounded to the activation dtype
    first, as the eager rotary's output is. Request b's own key is among those it reads
    (req_to_token already maps position seq_lens[b] - 1 to loc[b]); other requests never
-   read row loc[b]. */
+   read row loc[b]. ks / vs: the int8 cache's scales ([slots, Hkv], stored too), else NULL. */
 void ENTRY(rsgl_decode_layer)(
-    const ACT_T* qkv, const float* cis, const int64_t* loc, KV_T* kb, KV_T* vb,
-    const int32_t* req_to_token, int64_t r2t_stride, const int64_t* req_slots,
+    const ACT_T* qkv, const float* cis, const int64_t* loc, KV_T* kb, KV_T* vb, float* ks,
+    float* vs, const int32_t* req_to_token, int64_t r2t_stride, const int64_t* req_slots,
     const int64_t* seq_lens, ACT_T* out, int64_t B, int64_t H, int64_t Hkv, int64_t D,
     float scale, int nthreads) {
     const int64_t row = Hkv * D;
@@ -93,20 +94,22 @@ void ENTRY(rsgl_decode_layer)(
                 dst[2 * i + 1] = ACT_ROUND(x0 * s + x1 * c);
             }
         }
+        /* Each kv head's rotated key, then its value, as floats in tmp, then stored. */
+        const ACT_T* v = x + (H + Hkv) * D;
+        KV_T* vdst = vb + loc[b] * row;
         for (int64_t h = 0; h < Hkv; h++) {
             const ACT_T* xh = x + (H + h) * D;
-            KV_T* dst = k + h * D;
             for (int64_t i = 0; i < D / 2; i++) {
                 const float c = cs[2 * i], s = cs[2 * i + 1];
                 const float x0 = ACT_LOAD(xh, 2 * i), x1 = ACT_LOAD(xh, 2 * i + 1);
-                KV_STORE(dst, 2 * i, ACT_ROUND(x0 * c - x1 * s));
-                KV_STORE(dst, 2 * i + 1, ACT_ROUND(x0 * s + x1 * c));
+                tmp[2 * i] = ACT_ROUND(x0 * c - x1 * s);
+                tmp[2 * i + 1] = ACT_ROUND(x0 * s + x1 * c);
             }
+            FN(store_head)(k + h * D, KV_SCALED ? ks + loc[b] * Hkv + h : NULL, tmp, D);
+            for (int64_t i = 0; i < D; i++) tmp[i] = ACT_LOAD(v, h * D + i);
+            FN(store_head)(vdst + h * D, KV_SCALED ? vs + loc[b] * Hkv + h : NULL, tmp, D);
         }
-        const ACT_T* v = x + (H + Hkv) * D;
-        KV_T* vdst = vb + loc[b] * row;
-        for (int64_t i = 0; i < row; i++) KV_STORE(vdst, i, ACT_LOAD(v, i));
-        ATTEND(q, kb, vb, req_to_token + req_slots[b] * r2t_stride, len, H, Hkv, D,
+        ATTEND(q, kb, vb, ks, vs, req_to_token + req_slots[b] * r2t_stride, len, H, Hkv, D,
                        scale, sc, tmp, of);
 #if ACT_BF16
         for (int64_t i = 0; i < H * D; i++) bf16_store(out + b * H * D, i, of[i]);

@@ -1,6 +1,7 @@
 """Fused CPU kernels for float32 and bfloat16 models, compiled on first use: paged decode
-attention over a float32, float16 or bfloat16 KV cache (alone, or with the rotary and the
-KV store of a decode-only layer step), add+RMSNorm, SiLU-and-multiply, rotary.
+attention over a float32, float16, bfloat16, fp8 (e4m3, e5m2) or int8 KV cache (alone, or
+with the rotary and the KV store of a decode-only layer step), add+RMSNorm,
+SiLU-and-multiply, rotary.
 
 Eager PyTorch has to gather every decode request's keys and values into a padded copy before
 it can attend (measured at batch 64: the gather alone costs more than a third of the model's
@@ -12,7 +13,8 @@ replace 4-7 small torch ops each (each op pays a thread-pool round trip at decod
 The sources are plain C files in `rsgl/csrc` (no torch headers, so they compile in a few
 seconds): `common.h` (helpers), `elementwise.c`, which instantiates `elementwise_impl.h`
 once per activation (model) dtype, and `attention.c`, which instantiates `attention_impl.h`
-once per KV element type and `decode_impl.h` once per (activation, KV) pair. Arithmetic is
+once per KV element type (`kv8.h` holds the 8-bit types' conversions) and `decode_impl.h`
+once per (activation, KV) pair. Arithmetic is
 float32 throughout; bfloat16 kernels round each intermediate the eager torch ops round, in
 the same order, so a bfloat16 model gives the eager path's numbers. They are built with the
 system C compiler into `~/.cache/rsgl/kernels` and called through ctypes, which releases the
@@ -58,12 +60,17 @@ QUANT_FORMATS: dict[str, tuple[str, int]] = {
 QUANT_BLOCK = 32
 
 # Kernel name suffix of each KV cache dtype (attention.c instantiates one set per type;
-# float16 only where the compiler has _Float16).
+# float16 only where the compiler has _Float16). An int8 cache keeps a float32 scale per
+# slot and kv head beside its buffers (rsgl.model_executor.kv_cache).
 _KV_SUFFIXES: dict[torch.dtype, str] = {
     torch.float32: "f32",
     torch.float16: "f16",
     torch.bfloat16: "bf16",
+    torch.float8_e5m2: "e5m2",
+    torch.float8_e4m3fn: "e4m3",
+    torch.int8: "i8",
 }
+SCALED_KV_DTYPES = (torch.int8,)
 
 
 # Compile flags (the target's come from `kernel_march`: this CPU, or the level that
@@ -107,6 +114,27 @@ def _check_kv(
         raise ValueError(f"KV buffers of {k_buffer.dtype}: the kernels were built for {supported}")
     if heads % k_buffer.shape[1]:
         raise ValueError(f"{heads} query heads do not divide into {k_buffer.shape[1]} kv heads")
+
+
+def _scale_ptrs(
+    k_buffer: torch.Tensor, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None
+) -> tuple[int | None, int | None]:
+    """The data pointers of an int8 cache's scales ([slots, kv heads] float32), checked;
+    (None, None) for the other KV dtypes, which take none."""
+    if k_buffer.dtype not in SCALED_KV_DTYPES:
+        if k_scales is not None or v_scales is not None:
+            raise ValueError(f"a {k_buffer.dtype} KV cache has no scales")
+        return None, None
+    if k_scales is None or v_scales is None:
+        raise ValueError(f"a {k_buffer.dtype} KV cache needs its k and v scales")
+    for t in (k_scales, v_scales):
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError("KV scales must be contiguous float32 CPU tensors")
+        if t.shape != k_buffer.shape[:2]:
+            raise ValueError(f"KV scales must be {list(k_buffer.shape[:2])}, not {list(t.shape)}")
+        if t.numel() >= 2**31:
+            raise ValueError("the kernels index KV scales with 32-bit offsets: 2^31 at most")
+    return k_scales.data_ptr(), v_scales.data_ptr()
 
 
 def _check_index(t: torch.Tensor, dtype: torch.dtype) -> None:
@@ -169,10 +197,10 @@ class CpuKernels:
                 if not hasattr(lib, f"rsgl_decode_attention_{suffix}"):
                     continue
                 decode = getattr(lib, f"rsgl_decode_attention_{suffix}")
-                decode.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]
+                decode.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]
                 decode.argtypes += [i64, i64, i64, i64, f32, i32]
                 layer = getattr(lib, f"rsgl_decode_layer_{suffix}")
-                layer.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]
+                layer.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]
                 layer.argtypes += [i64, i64, i64, i64, f32, i32]
                 self._decode[act, kv], self._decode_layer[act, kv] = decode, layer
         # Per activation dtype.
@@ -245,11 +273,15 @@ class CpuKernels:
         seq_lens: torch.Tensor,
         out: torch.Tensor,
         scale: float,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> None:
         """q/out: [B, H, D] float32 or bfloat16; buffers [N, Hkv, D] of a KV dtype (float32,
-        float16, bfloat16); req_to_token int32; slots/lens int64 [B]."""
+        float16, bfloat16, float8_e5m2, float8_e4m3fn, or int8 with its scales [N, Hkv]);
+        req_to_token int32; slots/lens int64 [B]."""
         act = _check(q, out)
         _check_kv(self._decode, act, k_buffer, v_buffer, q.shape[1])
+        ks, vs = _scale_ptrs(k_buffer, k_scales, v_scales)
         _check_index(req_to_token, torch.int32)
         _check_index(req_slots, torch.int64)
         _check_index(seq_lens, torch.int64)
@@ -262,6 +294,8 @@ class CpuKernels:
             q.data_ptr(),
             k_buffer.data_ptr(),
             v_buffer.data_ptr(),
+            ks,
+            vs,
             req_to_token.data_ptr(),
             req_to_token.stride(0),
             req_slots.data_ptr(),
@@ -287,17 +321,20 @@ class CpuKernels:
         seq_lens: torch.Tensor,
         num_heads: int,
         scale: float,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Rotary + KV store + decode attention for a decode-only batch, in one call.
 
         qkv: [B, (H + 2 Hkv) D] float32 or bfloat16 (pair-interleaved q/k); cis: [B, D / 2, 2]
-        float32 (cos, sin); out_cache_loc, req_slots, seq_lens: int64 [B]. Returns
-        [B, H * D] of qkv's dtype.
+        float32 (cos, sin); out_cache_loc, req_slots, seq_lens: int64 [B]; the scales of an
+        int8 cache are stored too. Returns [B, H * D] of qkv's dtype.
         """
         act = _check(qkv)
         if _check(cis) != torch.float32:
             raise ValueError("decode_layer: cis must be float32")
         _check_kv(self._decode_layer, act, k_buffer, v_buffer, num_heads)
+        ks, vs = _scale_ptrs(k_buffer, k_scales, v_scales)
         _check_index(req_to_token, torch.int32)
         b = qkv.shape[0]
         for t in (out_cache_loc, req_slots, seq_lens):
@@ -314,6 +351,8 @@ class CpuKernels:
             out_cache_loc.data_ptr(),
             k_buffer.data_ptr(),
             v_buffer.data_ptr(),
+            ks,
+            vs,
             req_to_token.data_ptr(),
             req_to_token.stride(0),
             req_slots.data_ptr(),

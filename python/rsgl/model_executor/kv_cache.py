@@ -17,14 +17,36 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if stored is None else getattr(torch, stored)
 
 
+# fp8 caches store each value saturated at the format's largest finite value (torch's own
+# conversion overflows float8_e5m2 to infinity).
+FP8_MAX = {torch.float8_e5m2: 57344.0, torch.float8_e4m3fn: 448.0}
+# An int8 cache stores round(x * 127 / amax) per token and kv head, and the scale
+# amax * float32(1 / 127) beside it (the C kernels' store, csrc/kv8.h, does the same
+# float32 operations, so both paths write the same bytes).
+SCALED_KV_DTYPES = (torch.int8,)
+_INT8_STEP = torch.tensor(1 / 127, dtype=torch.float32)
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] as (int8 values [..., D], float32 scales [...]): x ~ values * scale."""
+    x = x.float()
+    amax = x.abs().amax(dim=-1)
+    # A true float32 division (`127.0 / amax` is a reciprocal times 127 in torch).
+    inv = torch.where(amax > 0, amax.new_full(amax.shape, 127.0) / amax, 0.0)
+    q = torch.round(x * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return q, amax * _INT8_STEP
+
+
 class KVCache:
     """Per-layer K and V buffers of shape [kv_buffer_size, num_kv_heads, head_dim].
 
     Row `s` holds the key/value of whichever token the Rust core assigned KV slot `s`. The
     first page of slots is never handed out by the core, so slot 0 is a safe padding target
     for gathers over padded index tables. `dtype` may be narrower than the model's (a
-    float16/bfloat16 cache for a float32 model): keys and values are rounded when stored, and
-    every attention path reads the rounded values, prefills included.
+    float16/bfloat16 cache for a float32 model, fp8, int8): keys and values are rounded when
+    stored, and every attention path reads the rounded values, prefills included. An int8
+    cache also keeps `k_scales` / `v_scales`, float32 [kv_buffer_size, num_kv_heads] per
+    layer: a token's key for head h is k_buffers[l][s, h] * k_scales[l][s, h].
     """
 
     def __init__(
@@ -45,6 +67,10 @@ class KVCache:
         shape = (kv_buffer_size, num_kv_heads, head_dim)
         self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.scaled = dtype in SCALED_KV_DTYPES
+        scales = (kv_buffer_size, num_kv_heads) if self.scaled else (0,)
+        self.k_scales = [torch.zeros(scales, device=device) for _ in range(num_layers)]
+        self.v_scales = [torch.zeros(scales, device=device) for _ in range(num_layers)]
 
     @classmethod
     def for_model(
@@ -73,13 +99,37 @@ class KVCache:
         """Memory one KV slot costs across all layers (to size the pool from a budget), for
         `num_kv_heads` heads (default all of the model's)."""
         elem = torch.empty((), dtype=dtype).element_size()
+        scale = 4 if dtype in SCALED_KV_DTYPES else 0
         heads = num_kv_heads or config.num_key_value_heads
-        return 2 * config.num_hidden_layers * heads * config.head_dim * elem
+        return 2 * config.num_hidden_layers * heads * (config.head_dim * elem + scale)
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store this step's keys/values ([T, Hkv, D]) at KV slots `loc` ([T])."""
+        if self.scaled:
+            for x, values, scales in (
+                (k, self.k_buffers, self.k_scales),
+                (v, self.v_buffers, self.v_scales),
+            ):
+                q, scale = quantize_int8(x)
+                values[layer_id][loc] = q
+                scales[layer_id][loc] = scale
+            return
+        limit = FP8_MAX.get(self.dtype)
+        if limit is not None:
+            k, v = k.clamp(-limit, limit), v.clamp(-limit, limit)
         self.k_buffers[layer_id][loc] = k.to(self.dtype)
         self.v_buffers[layer_id][loc] = v.to(self.dtype)
+
+    def get_kv(
+        self, layer_id: int, index: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values at KV slots `index` (any shape I) as `dtype` [*I, Hkv, D]."""
+        k = self.k_buffers[layer_id][index]
+        v = self.v_buffers[layer_id][index]
+        if self.scaled:
+            k = k.float() * self.k_scales[layer_id][index].unsqueeze(-1)
+            v = v.float() * self.v_scales[layer_id][index].unsqueeze(-1)
+        return k.to(dtype), v.to(dtype)
 
 
 class ReqToTokenPool:

@@ -42,9 +42,9 @@ class TorchNativeAttnBackend(AttentionBackend):
     Extends (few per step, many tokens each) run one SDPA per request with a causal mask
     offset by the cached prefix. Decodes (many per step, one token each) run batched: for a
     float32 or bfloat16 model on CPU through the fused paged kernel of
-    `rsgl.layers.cpu_kernels` (over a float32, float16 or bfloat16 cache) when it can be
-    built, otherwise by gathering every decode request's K/V padded to the longest sequence
-    and one masked SDPA. Index tables and masks are built once per step in `prepare`, not
+    `rsgl.layers.cpu_kernels` (over a float32, float16, bfloat16, fp8 or int8 cache) when
+    it can be built, otherwise by gathering every decode request's K/V padded to the longest
+    sequence and one masked SDPA. Index tables and masks are built once per step in `prepare`, not
     per layer. Extends run SDPA in the model's dtype: for bfloat16 its flash kernel
     accumulates in float32.
     """
@@ -156,7 +156,14 @@ class TorchNativeAttnBackend(AttentionBackend):
             meta.decode_seq_lens,
             self.num_heads,
             self.scale,
+            *self._scales(layer_id),
         )
+
+    def _scales(self, layer_id: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The kernels' scale arguments: an int8 cache's k and v scales, else none."""
+        if not self.kv_cache.scaled:
+            return None, None
+        return self.kv_cache.k_scales[layer_id], self.kv_cache.v_scales[layer_id]
 
     def forward(
         self,
@@ -177,8 +184,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         for req in meta.extends:
             end = req.token_start + req.extend_len
             qi = q[req.token_start : end].transpose(0, 1)  # [H, E, D]
-            ki = k_buf[req.kv_index].to(q.dtype).transpose(0, 1)  # [Hkv, S, D]
-            vi = v_buf[req.kv_index].to(q.dtype).transpose(0, 1)
+            ki, vi = self.kv_cache.get_kv(layer_id, req.kv_index, q.dtype)
+            ki, vi = ki.transpose(0, 1), vi.transpose(0, 1)  # [Hkv, S, D]
             oi = F.scaled_dot_product_attention(
                 qi, ki, vi, attn_mask=req.mask, is_causal=req.mask is None, enable_gqa=gqa
             )
@@ -196,11 +203,12 @@ class TorchNativeAttnBackend(AttentionBackend):
                     meta.decode_seq_lens,
                     out[meta.decode_start :],  # a contiguous tail: written in place
                     self.scale,
+                    *self._scales(layer_id),
                 )
             else:
                 assert meta.decode_kv_index is not None
-                kd = k_buf[meta.decode_kv_index].to(q.dtype).transpose(1, 2)  # [Bd, Hkv, S, D]
-                vd = v_buf[meta.decode_kv_index].to(q.dtype).transpose(1, 2)
+                kd, vd = self.kv_cache.get_kv(layer_id, meta.decode_kv_index, q.dtype)
+                kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)  # [Bd, Hkv, S, D]
                 od = F.scaled_dot_product_attention(
                     qd.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, enable_gqa=gqa
                 ).squeeze(2)

@@ -86,6 +86,11 @@ class TritonAttnBackend(AttentionBackend):
         super().__init__(
             kv_cache, req_to_token, num_heads, num_kv_heads, head_dim, model_dtype=model_dtype
         )
+        if kv_cache.dtype.itemsize == 1:
+            raise ValueError(
+                f"the triton attention backend reads 16- and 32-bit KV caches, not "
+                f"{kv_cache.dtype}; the 8-bit caches run on torch_native (CPU)"
+            )
         if importlib.util.find_spec("triton") is None:
             raise RuntimeError(
                 "the triton attention backend needs the `triton` package (PyPI torch on "
