@@ -170,9 +170,27 @@ static void softmax_rows(float* sc, int64_t H, int64_t len) {
     for (int64_t h = 0; h < H; h++) {
         float* sh = sc + h * len;
         float mx = -FLT_MAX;
-        for (int64_t s = 0; s < len; s++) mx = sh[s] > mx ? sh[s] : mx;
         float sum = 0.f;
-        for (int64_t s = 0; s < len; s++) {
+        int64_t s0 = 0;
+#if defined(__AVX512F__)
+        /* 16 lanes at a time (the compiler leaves the max scalar and the exp at 8 lanes):
+           at decode batch 64 x 1,024 positions the softmax was a quarter of attention. */
+        __m512 m16 = _mm512_set1_ps(-FLT_MAX);
+        for (; s0 + 16 <= len; s0 += 16) m16 = _mm512_max_ps(m16, _mm512_loadu_ps(sh + s0));
+        mx = _mm512_reduce_max_ps(m16);
+        for (int64_t s = s0; s < len; s++) mx = sh[s] > mx ? sh[s] : mx;
+        const __m512 vmx = _mm512_set1_ps(mx);
+        __m512 sum16 = _mm512_setzero_ps();
+        for (s0 = 0; s0 + 16 <= len; s0 += 16) {
+            const __m512 e = exp_nonpos16(_mm512_sub_ps(_mm512_loadu_ps(sh + s0), vmx));
+            _mm512_storeu_ps(sh + s0, e);
+            sum16 = _mm512_add_ps(sum16, e);
+        }
+        sum = _mm512_reduce_add_ps(sum16);
+#else
+        for (int64_t s = 0; s < len; s++) mx = sh[s] > mx ? sh[s] : mx;
+#endif
+        for (int64_t s = s0; s < len; s++) {
             sh[s] = exp_nonpos(sh[s] - mx);
             sum += sh[s];
         }
