@@ -272,3 +272,26 @@ def test_a_killed_follower_fails_requests_naming_its_rank_instead_of_hanging(
     stopping.join(timeout=120)
     assert not stopping.is_alive(), "shutdown hangs on the dead follower"
     assert not alive(pid)
+
+
+def test_an_int8_kv_cache_shards_like_tp1s(reference: dict[str, Any]) -> None:
+    # Each (token, kv head) has its own scale, so a rank holding some of the heads quantizes
+    # them as TP=1 does. The row-parallel sums' order moves a key's last float bits, which
+    # flips the odd value on a rounding boundary one int8 step (measured: logits 0.146
+    # apart at most, as the fused and eager paths of one rank are; a rank reading another's
+    # scales, or none, is off by whole units).
+    ids = reference["prompt_ids"]
+    with rsgl.Engine(**OPTIONS, kv_cache_dtype="int8") as engine:
+        one = step_logits(engine, ids)
+    with rsgl.Engine(tp_size=2, **OPTIONS, kv_cache_dtype="int8") as engine:
+        two = step_logits(engine, ids)
+        outs = engine.generate(PROMPTS[:4], GREEDY)
+        engine.check_integrity()
+        info = engine.get_server_info()
+    assert info["kv_cache_storage_dtype"] == "int8"
+    diff = (two - one).abs().max().item()
+    assert diff < 0.4
+    assert torch.equal(two.argmax(-1), one.argmax(-1))
+    # Near the float32 cache's logits too (a rank reading the wrong scales would not be).
+    assert (two - reference["logits"]).abs().max().item() < 1.0
+    assert all(len(o["output_ids"]) == GREEDY["max_new_tokens"] for o in outs)

@@ -3,6 +3,7 @@
     rsgl bench offline --num-prompts 64 --input-len 100 --output-len 128 --compare-hf
     rsgl bench offline --dataset gsp --compare-radix
     rsgl bench offline --tp-size 2 --profile-collectives
+    rsgl bench offline --skip-no-overlap --compare-quantization none --compare-dtype float32
 
 Prompts are seeded random token ids (`random`), or 16 groups x 16 prompts sharing a
 1024-token system prompt (`gsp`). Every request is greedy with ignore_eos, so both systems
@@ -24,6 +25,8 @@ import torch
 
 from rsgl.args import KV_CACHE_DTYPES
 from rsgl.model_executor.executor import run_on_compute_thread
+
+QUANTIZATIONS = ["gguf", "int8", "int4", "none"]
 
 
 def make_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
@@ -139,6 +142,24 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--max-running-requests", type=int, default=256)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        choices=QUANTIZATIONS,
+        help="weights (default: the engine's: gguf for GGUF files on CPU)",
+    )
+    parser.add_argument(
+        "--compare-quantization",
+        default=None,
+        choices=QUANTIZATIONS,
+        help="also run with these weights (e.g. none: the dequantized float32 model)",
+    )
+    parser.add_argument(
+        "--compare-dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="the model dtype of the --compare-quantization run (default: --dtype)",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     parser.add_argument("--attention-backend", default=None)
@@ -163,6 +184,7 @@ def main(argv: list[str]) -> int:
         "model_path": args.model_path,
         "max_running_requests": args.max_running_requests,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "quantization": args.quantization,
         "dtype": args.dtype,
         "device": args.device,
         "load_format": args.load_format,
@@ -188,6 +210,15 @@ def main(argv: list[str]) -> int:
         off = run_rsgl(prompts, args.output_len, disable_overlap_schedule=True, **engine)
         result["rsgl_no_overlap_output_tok_s"] = off["output_tok_s"]
         result["overlap_speedup"] = round(rsgl_run["output_tok_s"] / off["output_tok_s"], 3)
+    if args.compare_quantization:
+        other = dict(engine, quantization=args.compare_quantization)
+        other["dtype"] = args.compare_dtype or args.dtype
+        compared = run_rsgl(prompts, args.output_len, **other)
+        result["compared"] = {k: other[k] for k in ("quantization", "dtype")}
+        result["compared_output_tok_s"] = compared["output_tok_s"]
+        result["quantization_speedup"] = round(
+            rsgl_run["output_tok_s"] / compared["output_tok_s"], 3
+        )
     if args.compare_radix:
         no_cache = run_rsgl(prompts, args.output_len, disable_radix_cache=True, **engine)
         result["rsgl_no_radix_output_tok_s"] = no_cache["output_tok_s"]

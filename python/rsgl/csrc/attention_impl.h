@@ -254,11 +254,14 @@ static void FN(attend_one)(const float* qb, const KV_T* kb, const KV_T* vb,
        float32 the compiler's loops below are ~15% faster on contiguous rows (equal on
        scattered), so float32 stays on them. */
     if (KV_AVX512 && D == 64)
-        return FN(attend_avx512_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, 64, scale, sc, tmp, ob);
+        return FN(attend_avx512_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, 64, scale, sc,
+                                      tmp, ob);
     if (KV_AVX512 && D == 128)
-        return FN(attend_avx512_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, 128, scale, sc, tmp, ob);
+        return FN(attend_avx512_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, 128, scale, sc,
+                                      tmp, ob);
     if (KV_AVX512 && D % 16 == 0 && D <= 256)
-        return FN(attend_avx512_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, D, scale, sc, tmp, ob);
+        return FN(attend_avx512_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, D, scale, sc,
+                                      tmp, ob);
 #endif
     if (D == 64)
         FN(attend_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, 64, scale, sc, tmp, ob);
@@ -335,11 +338,14 @@ static void FN(attend_one_q16)(const float* qb, const KV_T* kb, const KV_T* vb,
                                int64_t len, int64_t H, int64_t Hkv,
                                int64_t D, float scale, float* sc, float* tmp, float* ob) {
     if (D == 64)
-        return FN(attend_dp_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, 64, scale, sc, tmp, ob);
+        return FN(attend_dp_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, 64, scale, sc, tmp,
+                                  ob);
     if (D == 128)
-        return FN(attend_dp_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, 128, scale, sc, tmp, ob);
+        return FN(attend_dp_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, 128, scale, sc, tmp,
+                                  ob);
     if (D % 32 == 0 && D <= 256)
-        return FN(attend_dp_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, D, scale, sc, tmp, ob);
+        return FN(attend_dp_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, D, scale, sc, tmp,
+                                  ob);
     FN(attend_one)(qb, kb, vb, ks, vs, slots, len, H, Hkv, D, scale, sc, tmp, ob);
 }
 #define ATTEND_Q16 FN(attend_one_q16)

@@ -18,7 +18,8 @@
    (no infinities or NaNs: the stores never write them). */
 static inline float fp8_value(uint8_t b, int M, int bias) {
     const int e = (b & 0x7f) >> M, m = b & ((1 << M) - 1);
-    const float mag = e ? ldexpf((float)((1 << M) + m), e - bias - M) : ldexpf((float)m, 1 - bias - M);
+    const float mag =
+        e ? ldexpf((float)((1 << M) + m), e - bias - M) : ldexpf((float)m, 1 - bias - M);
     return b & 0x80 ? -mag : mag;
 }
 
@@ -43,8 +44,13 @@ static inline uint8_t fp8_bits(float x, int M, int bias, float max) {
     return sign | (uint8_t)((ex + bias) << M) | (uint8_t)m;
 }
 
-static inline void e5m2_store(uint8_t* p, int64_t i, float x) { p[i] = fp8_bits(x, 2, 15, E5M2_MAX); }
-static inline void e4m3_store(uint8_t* p, int64_t i, float x) { p[i] = fp8_bits(x, 3, 7, E4M3_MAX); }
+static inline void e5m2_store(uint8_t* p, int64_t i, float x) {
+    p[i] = fp8_bits(x, 2, 15, E5M2_MAX);
+}
+
+static inline void e4m3_store(uint8_t* p, int64_t i, float x) {
+    p[i] = fp8_bits(x, 3, 7, E4M3_MAX);
+}
 
 /* Every fp8 byte's value, filled when the library loads. */
 static float e5m2_table[256], e4m3_table[256];
