@@ -44,10 +44,11 @@ PROMPT = (
 
 
 def start_llama(
-    binary: str, gguf: Path, threads: int, slots: int, ctx: int, log: Path
+    binary: str, gguf: Path, threads: int, slots: int, ctx: int, log: Path, extra: list[str]
 ) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     cmd = [binary, "-m", str(gguf), "--port", str(port), "-t", str(threads), "-np", str(slots)]
+    cmd += extra
     # One HTTP thread per slot: with fewer, streams beyond them wait or are dropped.
     cmd += ["-c", str(ctx), "--no-webui", "--threads-http", str(slots + 2)]
     with open(log, "wb") as out:
@@ -134,6 +135,12 @@ def main() -> int:
     parser.add_argument("--num-prompts", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--rsgl-flags", default="", help="extra `rsgl serve` flags")
+    parser.add_argument(
+        "--llama-flags",
+        default="",
+        help="extra llama-server flags (on a VM that faults in ggml's AMX kernels: "
+        "--no-repack keeps the weights off its AMX buffers)",
+    )
     args = parser.parse_args()
     gguf = Path(args.model) if args.model else embedded_gguf_path()
     parts = args.parts.split(",")
@@ -149,7 +156,15 @@ def main() -> int:
                     proc, url = start_server(Path(tmp) / "rsgl.log", *flags)
                 else:
                     log = Path(tmp) / "llama.log"
-                    proc, url = start_llama(args.llama_server, gguf, args.threads, slots, ctx, log)
+                    proc, url = start_llama(
+                        args.llama_server,
+                        gguf,
+                        args.threads,
+                        slots,
+                        ctx,
+                        log,
+                        shlex.split(args.llama_flags),
+                    )
                 try:
                     if part == "single":
                         row = asyncio.run(single(url, args.output_len, args.runs))
