@@ -14,8 +14,8 @@
 #define E5M2_MAX 57344.f
 #define E4M3_MAX 448.f
 
-/* The value of fp8 bits b with E exponent bits, M mantissa bits and exponent bias `bias`
-   (no infinities or NaNs: the stores never write them). */
+/* The value of fp8 bits b with M mantissa bits (7 - M exponent bits) and exponent bias
+   `bias` (no infinities or NaNs: the stores never write them). */
 static inline float fp8_value(uint8_t b, int M, int bias) {
     const int e = (b & 0x7f) >> M, m = b & ((1 << M) - 1);
     const float mag =
@@ -23,7 +23,9 @@ static inline float fp8_value(uint8_t b, int M, int bias) {
     return b & 0x80 ? -mag : mag;
 }
 
-/* x rounded to nearest even in fp8 of M mantissa bits and bias `bias`, saturated at max. */
+/* x rounded to nearest even in fp8 of M mantissa bits and bias `bias`, saturated at max
+   (a NaN too, where torch's store would keep it NaN: a NaN key poisons its scores either
+   way). */
 static inline uint8_t fp8_bits(float x, int M, int bias, float max) {
     union { float f; uint32_t u; } c;
     c.f = x;
@@ -35,7 +37,7 @@ static inline uint8_t fp8_bits(float x, int M, int bias, float max) {
                                                                    is the smallest normal */
     int ex;
     frexpf(a, &ex);
-    ex -= 1;  /* a = 1.f * 2^ex */
+    ex -= 1;  /* a = 1.xxx * 2^ex */
     int m = (int)rintf(ldexpf(a, M - ex)) - (1 << M);
     if (m == 1 << M) {
         m = 0;
