@@ -95,6 +95,26 @@ F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 # the AVX-512 path when head_dim is a multiple of 16 (on CPUs that have it: 4 query heads
 # per register group, so 8 per kv head take two groups, 6 take 3 + 3 at 80, 1 group of one
 # at 256) and the widening loops otherwise (40).
+def _scattered_requests(
+    gen: torch.Generator, max_len: int, kv_slots: int
+) -> tuple[list[int], torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor]:
+    """17 decoding requests (so the threads split them): request 1 decodes its first token,
+    request 2 has exactly two 16-position tiles (the AVX-512 path scores 16 at a time), the
+    others a random length below `max_len` with a tail. Each sequence lives in scattered KV
+    slots (1 .. kv_slots - 1); its last position is the new token. Returns (lens, the
+    req_to_token table, the requests' rows in it, each one's slots, the new tokens' slots)."""
+    lens = [int(n) for n in torch.randint(1, max_len, (17,), generator=gen)]
+    lens[1], lens[2] = 1, 32
+    slots = torch.randperm(kv_slots - 1, generator=gen)[: sum(lens)] + 1
+    table = torch.zeros(20, max_len, dtype=torch.int32)
+    req_slots = torch.randperm(20, generator=gen)[: len(lens)]
+    seq_slots = slots.split(lens)
+    for row, sl in zip(req_slots.tolist(), seq_slots, strict=True):
+        table[row, : len(sl)] = sl.to(torch.int32)
+    loc = torch.stack([sl[-1] for sl in seq_slots]).long()
+    return lens, table, req_slots, seq_slots, loc
+
+
 @pytest.mark.parametrize(
     ("dim", "kv_dtype", "heads", "kv_heads"),
     [
@@ -119,22 +139,10 @@ def test_decode_layer_rotates_stores_and_attends(
     kernels: CpuKernels, dim: int, kv_dtype: torch.dtype, heads: int, kv_heads: int
 ) -> None:
     gen = torch.Generator().manual_seed(dim)
-    # 17 requests, so the threads split them; request 1 decodes its first token, request 2
-    # has exactly two 16-position tiles (the AVX-512 path scores 16 at a time), the others
-    # a random length with a tail.
-    lens = [int(n) for n in torch.randint(1, 48, (17,), generator=gen)]
-    lens[1], lens[2] = 1, 32
+    lens, table, req_slots, seq_slots, loc = _scattered_requests(gen, 48, 1024)
     b = len(lens)
     k_buf = torch.randn(1024, kv_heads, dim, generator=gen).to(kv_dtype)
     v_buf = torch.randn(1024, kv_heads, dim, generator=gen).to(kv_dtype)
-    # Each request's sequence lives in scattered slots; its last position is the new token.
-    slots = torch.randperm(1023, generator=gen)[: sum(lens)] + 1
-    table = torch.zeros(20, 48, dtype=torch.int32)
-    req_slots = torch.randperm(20, generator=gen)[:b]
-    seq_slots = slots.split(lens)
-    for row, sl in zip(req_slots.tolist(), seq_slots, strict=True):
-        table[row, : len(sl)] = sl.to(torch.int32)
-    loc = torch.stack([sl[-1] for sl in seq_slots]).long()
     qkv = torch.randn(b, (heads + 2 * kv_heads) * dim, generator=gen)
     angles = torch.rand(b, 1, dim // 2, generator=gen) * 6
     cis = torch.polar(torch.ones_like(angles), angles)
@@ -331,8 +339,7 @@ def test_8_bit_caches_attend_over_their_stored_values(
     from rsgl.model_executor.kv_cache import KVCache
 
     gen = torch.Generator().manual_seed(dim + heads)
-    lens = [int(n) for n in torch.randint(1, 70, (17,), generator=gen)]
-    lens[1], lens[2] = 1, 32
+    lens, table, req_slots, seq_slots, loc = _scattered_requests(gen, 70, 2048)
     b = len(lens)
     cache = KVCache(2048, 1, kv_heads, dim, kv_dtype, "cpu")
     everything = torch.arange(2048)
@@ -342,13 +349,6 @@ def test_8_bit_caches_attend_over_their_stored_values(
         torch.randn(2048, kv_heads, dim, generator=gen) * 3,
         torch.randn(2048, kv_heads, dim, generator=gen),
     )
-    slots = torch.randperm(2047, generator=gen)[: sum(lens)] + 1
-    table = torch.zeros(20, 70, dtype=torch.int32)
-    req_slots = torch.randperm(20, generator=gen)[:b]
-    seq_slots = slots.split(lens)
-    for row, sl in zip(req_slots.tolist(), seq_slots, strict=True):
-        table[row, : len(sl)] = sl.to(torch.int32)
-    loc = torch.stack([sl[-1] for sl in seq_slots]).long()
     qkv = (torch.randn(b, (heads + 2 * kv_heads) * dim, generator=gen) * 2).to(act)
     angles = torch.rand(b, 1, dim // 2, generator=gen) * 6
     cis = torch.polar(torch.ones_like(angles), angles)

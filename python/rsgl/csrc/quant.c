@@ -151,6 +151,18 @@ static inline void dequant_block(int fmt, Block b, float* w) {
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* The sum of four accumulators' 32 lanes in a fixed tree: (a + b) + (c + d) lane by lane,
+   then the halves, pairs and neighbours. */
+static inline float hsum8(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 s = _mm256_add_ps(_mm256_add_ps(a, b), _mm256_add_ps(c, d));
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+#endif
+
 #if defined(__AVX512F__)
 /* One block's 32 weights in two registers: elements 0-15 and 16-31, each rounded as the
    AVX2 path below rounds it (the same multiply or fused multiply-add per element). A
@@ -183,11 +195,7 @@ static inline float hsum16(__m512 lo, __m512 hi) {
     const __m256 b = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lo), 1));
     const __m256 c = _mm512_castps512_ps256(hi);
     const __m256 d = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(hi), 1));
-    const __m256 s = _mm256_add_ps(_mm256_add_ps(a, b), _mm256_add_ps(c, d));
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
+    return hsum8(a, b, c, d);
 }
 
 /* Rows x0 and (when not NULL) x1 of x times weight row n: the AVX2 path's lanes, 16 wide. */
@@ -239,14 +247,6 @@ static inline void dequant_block8(int fmt, Block b, __m256* w) {
     w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d, m);
     w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d, m);
     w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d, m);
-}
-
-static inline float hsum8(__m256 a, __m256 b, __m256 c, __m256 d) {
-    const __m256 s = _mm256_add_ps(_mm256_add_ps(a, b), _mm256_add_ps(c, d));
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
 }
 
 /* Rows x0 and (when not NULL) x1 of x times weight row n. */
