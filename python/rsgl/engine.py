@@ -22,6 +22,7 @@ from rsgl.gc_tuning import freeze_startup_objects
 from rsgl.model_executor.model_runner import ModelRunner
 from rsgl.model_executor.null_runner import NullRunner
 from rsgl.outputs import merge
+from rsgl.reasoning import reasoning_end_ids
 from rsgl.sampling_params import SamplingParams
 from rsgl.stack import ModelStack, build_loop, build_stack
 from rsgl.tokenizer.output_processor import OutputProcessor, OutputQueue, RequestRecord
@@ -75,7 +76,9 @@ class Engine:
         # The loop emits token ids on its thread; the processor makes text of them there,
         # overlapped with the next step's forward.
         self.processor = OutputProcessor(
-            self.tokenizer, on_stop=lambda rid, matched: self._loop.finish(rid, matched)
+            self.tokenizer,
+            on_stop=lambda rid, matched: self._loop.finish(rid, matched),
+            reasoning_end_ids=reasoning_end_ids(self.tokenizer, self.args.reasoning_parser),
         )
         self._loop = build_loop(stack, self.args, self.processor.process)
         freeze_startup_objects()

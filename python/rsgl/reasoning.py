@@ -16,7 +16,7 @@ Torch-free: the server's frontend runs it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,6 +162,53 @@ class ReasoningSplitter:
         return out
 
 
+def marker_ids(tokenizer: Any, marker: str) -> tuple[int, ...]:
+    """The token ids the tokenizer writes `marker` with; ValueError if none."""
+    ids = tuple(int(t) for t in tokenizer.encode(marker, add_special_tokens=False))
+    if not ids:
+        raise ValueError(f"the tokenizer writes the marker {marker!r} with no tokens")
+    return ids
+
+
+def reasoning_end_ids(tokenizer: Any, parser: str | None) -> tuple[int, ...] | None:
+    """The tokens that end a reasoning under `--reasoning-parser` `parser` (None: none)."""
+    return None if parser is None else marker_ids(tokenizer, FORMATS[parser].end)
+
+
+class MarkerWatch:
+    """Watches a stream of token ids for a marker written as `ids` (on ids, as SGLang
+    matches the end of a reasoning: a model writes its marker one way, a special token in
+    the models that think). `feed` each token; `done` once the stream has ended with it."""
+
+    __slots__ = ("done", "ids", "matched")
+
+    def __init__(self, ids: Sequence[int]) -> None:
+        assert ids, "a marker is at least one token"
+        self.ids = tuple(ids)
+        self.matched = 0  # how many of ids the stream ends with so far
+        self.done = False
+
+    def feed(self, token: int) -> bool:
+        """Whether the stream ends with the marker after `token`."""
+        if not self.done:
+            self.matched = self._advance(token)
+            self.done = self.matched == len(self.ids)
+        return self.done
+
+    def _advance(self, token: int) -> int:
+        """The longest start of `ids` the stream ends with after `token` (after a mismatch
+        a shorter start may still be under way: `</</think>`)."""
+        seen = (*self.ids[: self.matched], token)
+        for n in range(len(seen), 0, -1):
+            if seen[-n:] == self.ids[:n]:
+                return n
+        return 0
+
+    def one_short(self) -> bool:
+        """Whether the next token may complete the marker."""
+        return self.matched == len(self.ids) - 1
+
+
 def _partial_marker(text: str, markers: tuple[str, ...]) -> int:
     """The length of the longest end of `text` that begins one of `markers` (and is not
     all of it): that much may yet become a marker."""
@@ -174,4 +221,11 @@ def _partial_marker(text: str, markers: tuple[str, ...]) -> int:
     return longest
 
 
-__all__ = ["FORMATS", "ReasoningFormat", "ReasoningSplitter"]
+__all__ = [
+    "FORMATS",
+    "MarkerWatch",
+    "ReasoningFormat",
+    "ReasoningSplitter",
+    "marker_ids",
+    "reasoning_end_ids",
+]

@@ -22,7 +22,6 @@ from rsgl.args import EngineArgs
 from rsgl.cpu_features import default_cpu_threads
 from rsgl.grammar.backend import GrammarBackend, GrammarOptions
 from rsgl.grammar.compiler import GrammarCompiler
-from rsgl.grammar.reasoning_gate import reasoning_end_ids
 from rsgl.grammar.registry import make_backend
 from rsgl.model_executor.executor import StepExecutor, on_compute_thread, run_on_compute_thread
 from rsgl.model_executor.kv_cache import KVCache, resolve_kv_cache_dtype
@@ -30,7 +29,7 @@ from rsgl.model_executor.model_runner import ModelRunner
 from rsgl.model_executor.null_runner import NullRunner
 from rsgl.models.config import ModelConfig
 from rsgl.models.dtype_choice import DtypeChoice, choose_dtype
-from rsgl.reasoning import FORMATS as REASONING_FORMATS
+from rsgl.reasoning import reasoning_end_ids
 from rsgl.scheduler.loop import Emit, SchedulerLoop
 from rsgl.tokenizer.loader import load_tokenizer
 
@@ -384,16 +383,9 @@ def build_loop(
         grammar=grammar,
         grammar_refusal=refusal,
         grammar_compile_timeout=args.grammar_compile_timeout,
-        reasoning_end_ids=_reasoning_end_ids(stack, args),
+        reasoning_end_ids=reasoning_end_ids(stack.tokenizer, args.reasoning_parser),
         adaptive_drafts=not args.disable_speculative_adaptive,
     )
-
-
-def _reasoning_end_ids(stack: ModelStack, args: EngineArgs) -> tuple[int, ...] | None:
-    """The tokens that end a reasoning (--reasoning-parser), None without a parser."""
-    if args.reasoning_parser is None:
-        return None
-    return reasoning_end_ids(stack.tokenizer, REASONING_FORMATS[args.reasoning_parser].end)
 
 
 def _grammar_compiler(stack: ModelStack, args: EngineArgs) -> tuple[GrammarCompiler | None, str]:
@@ -413,4 +405,6 @@ def _grammar_compiler(stack: ModelStack, args: EngineArgs) -> tuple[GrammarCompi
         assert made is not None
         return made
 
-    return GrammarCompiler(backend, cache_bytes=args.grammar_cache_mb << 20), ""
+    compiler = GrammarCompiler(backend, cache_bytes=args.grammar_cache_mb << 20)
+    compiler.prewarm()  # while the server starts; a failure is reported by the first compile
+    return compiler, ""

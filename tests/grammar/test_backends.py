@@ -55,6 +55,23 @@ def test_every_walk_through_an_ebnf_grammar_is_a_sentence(
 
 
 @pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "integer", "exclusiveMinimum": 5, "exclusiveMaximum": 8},  # 6 or 7
+        {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        {"type": "number", "minimum": -1, "exclusiveMaximum": 0},
+    ],
+)
+def test_exclusive_bounds_hold(backend: GrammarBackend, tokenizer: Any, schema: Any) -> None:
+    # Walks pick among the allowed tokens at random: a backend that dropped an exclusive
+    # bound (or took it as inclusive) would write 5, 8, 0 or a number outside the range.
+    compiled = backend.compile(Constraint.of({"json_schema": schema}))  # type: ignore[arg-type]
+    for seed in range(8):
+        text = text_of(walk(backend, backend.matcher(compiled), tokenizer, seed), tokenizer)
+        jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize(
     ("kind", "source", "says"),
     [
         ("json_schema", '{"type": "objekt"}', "objekt"),

@@ -1,5 +1,6 @@
 """The compiler of constraints: one compile per constraint however many wait, hits served
-from a byte-capped LRU cache, failures cached, the backend built only when first needed."""
+from a byte-capped LRU cache, failures cached, the backend built ahead (prewarm) or when first
+needed."""
 
 from __future__ import annotations
 
@@ -93,7 +94,38 @@ def test_the_cache_evicts_the_least_recently_used_past_its_byte_cap(tokenizer: A
     compiler.shutdown()
 
 
-def test_the_backend_is_built_on_first_use_only() -> None:
+def test_prewarm_builds_the_backend_before_any_constraint(counting: Counting) -> None:
+    built: list[int] = []
+
+    def make() -> GrammarBackend:
+        built.append(threading.get_native_id())
+        return counting
+
+    compiler = GrammarCompiler(make)
+    assert compiler.prewarm().result(timeout=60) is counting
+    assert built and built[0] != threading.get_native_id()  # on the pool, not the caller
+    compiler.submit(SCHEMA).result(timeout=60)
+    assert len(built) == 1 and counting.compiles == [SCHEMA]  # built once, then reused
+    compiler.shutdown()
+
+
+def test_a_prewarm_that_fails_is_retried_and_reported_by_the_first_compile() -> None:
+    tries: list[int] = []
+
+    def make() -> GrammarBackend:
+        tries.append(1)
+        raise RuntimeError("no backend here")
+
+    compiler = GrammarCompiler(make)
+    with pytest.raises(RuntimeError, match="no backend here"):
+        compiler.prewarm().result(timeout=60)
+    with pytest.raises(RuntimeError, match="no backend here"):
+        compiler.submit(SCHEMA).result(timeout=60)
+    assert len(tries) == 2 and compiler.stats.failures == 0
+    compiler.shutdown()
+
+
+def test_without_a_prewarm_the_backend_is_built_on_first_use_only() -> None:
     built: list[str] = []
 
     def make() -> GrammarBackend:

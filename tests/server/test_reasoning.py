@@ -119,9 +119,12 @@ def test_require_reasoning_on_generate_gates_its_constraint(r1: openai.OpenAI) -
     }
     out = httpx.post(f"{url}/generate", json=body, timeout=120).json()
     assert not re.fullmatch("(yes|no)", out["text"])
+    meta = out["meta_info"]
+    assert meta["reasoning_tokens"] == meta["completion_tokens"] > 0  # it never ended
     body["require_reasoning"] = False
     out = httpx.post(f"{url}/generate", json=body, timeout=120).json()
     assert re.fullmatch("(yes|no)", out["text"]), out
+    assert "reasoning_tokens" not in out["meta_info"]
 
 
 def test_qwen3_reasons_unless_enable_thinking_is_false(qwen3: openai.OpenAI) -> None:
@@ -147,3 +150,50 @@ def test_qwen3_reasons_unless_enable_thinking_is_false(qwen3: openai.OpenAI) -> 
     ).choices[0]
     assert reasoning_of(opened.message) and opened.message.content == ""
     assert not re.fullmatch("(yes|no)", reasoning_of(opened.message) or "")
+
+
+def test_usage_counts_the_reasoning_tokens(r1: openai.OpenAI, qwen3: openai.OpenAI) -> None:
+    def usage(client: openai.OpenAI, prompt: str, **kw: Any) -> tuple[Any, Any]:
+        out = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": prompt}],
+            temperature=0,
+            max_tokens=24,
+            **kw,
+        )
+        assert out.usage is not None and out.usage.completion_tokens_details is not None
+        return out, out.usage
+
+    # A reasoning that never ends is every token of the answer, in each of two choices.
+    out, used = usage(r1, QUESTION, n=2)
+    assert len(out.choices) == 2 and used.completion_tokens > 2
+    assert used.completion_tokens_details.reasoning_tokens == used.completion_tokens
+    # One that ends: its tokens up to the end marker's three (`</`, `think`, `>`), and none
+    # of the answer after it; the stream's usage says the same.
+    answer = {"regex": "(yes|no)"}  # after the reasoning, a short answer
+    out, used = usage(r1, MARKER_PROMPT, logit_bias=MARKER_BIAS, extra_body=answer)
+    message = out.choices[0].message
+    assert message.content, "the prompt no longer makes the model end its reasoning"
+    reasoning = used.completion_tokens_details.reasoning_tokens
+    assert 3 <= reasoning < used.completion_tokens
+    if not reasoning_of(message):
+        assert reasoning == 3
+    chunks = list(
+        r1.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": MARKER_PROMPT}],
+            temperature=0,
+            max_tokens=24,
+            logit_bias=MARKER_BIAS,
+            extra_body=answer,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    streamed = chunks[-1].usage
+    assert streamed is not None and streamed.completion_tokens_details is not None
+    assert streamed.completion_tokens_details.reasoning_tokens == reasoning
+    # A request that does not reason has none.
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    _, used = usage(qwen3, QUESTION, extra_body=off)
+    assert used.completion_tokens_details.reasoning_tokens == 0 < used.completion_tokens

@@ -54,8 +54,8 @@ class GrammarCompiler:
         threads: int = 2,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
     ) -> None:
-        # Built on first use, on the pool (reading the tokenizer's vocabulary takes ~0.3 s
-        # for xgrammar, ~1 s for llguidance: a server that never sees a grammar never pays).
+        # Built on the pool (reading the tokenizer's vocabulary takes ~0.3 s for xgrammar,
+        # ~1 s for llguidance): by `prewarm` while the server starts, else on first use.
         self._make_backend = make_backend
         self._backend: GrammarBackend | None = None
         self._backend_lock = threading.Lock()
@@ -76,6 +76,13 @@ class GrammarCompiler:
             if self._backend is None:
                 self._backend = self._make_backend()
             return self._backend
+
+    def prewarm(self) -> Future[GrammarBackend]:
+        """Builds the backend on the pool now, at the compile threads' idle priority, so the
+        first constrained request does not wait for it (its build is the first compile's
+        cost: 1-4 s for llguidance). A backend that fails to build fails this future, and is
+        tried again by the first compile, which then reports it."""
+        return self._pool.submit(lambda: self.backend)
 
     def submit(self, constraint: Constraint) -> Future[Any]:
         with self._lock:

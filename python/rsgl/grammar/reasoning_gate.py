@@ -7,59 +7,37 @@ its end marker as one way of tokens (a special token in the models that think)."
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from rsgl.grammar.backend import Matcher
-
-
-def reasoning_end_ids(tokenizer: Any, end_marker: str) -> tuple[int, ...]:
-    """The token ids the tokenizer writes `end_marker` with; ValueError if none."""
-    ids = tuple(int(t) for t in tokenizer.encode(end_marker, add_special_tokens=False))
-    if not ids:
-        raise ValueError(f"the tokenizer writes the reasoning end {end_marker!r} with no tokens")
-    return ids
+from rsgl.reasoning import MarkerWatch
 
 
 class ReasoningGate(Matcher):
     """`inner`'s grammar, from the token after `end_ids` on; before that every token is
     accepted and `masking()` is None (any token may follow)."""
 
-    __slots__ = ("end_ids", "inner", "matched", "reasoning")
+    __slots__ = ("end", "inner")
 
     def __init__(self, inner: Matcher, end_ids: Sequence[int]) -> None:
-        assert end_ids, "a reasoning end is at least one token"
         self.inner = inner
-        self.end_ids = tuple(end_ids)
-        self.matched = 0  # how many of end_ids the output ends with so far
-        self.reasoning = True
+        self.end = MarkerWatch(end_ids)
 
     def accept(self, token: int) -> bool:
-        if not self.reasoning:
+        if self.end.done:
             return self.inner.accept(token)
-        self.matched = self._advance(token)
-        if self.matched == len(self.end_ids):
-            self.reasoning = False
+        self.end.feed(token)
         return True
 
-    def _advance(self, token: int) -> int:
-        """The longest start of `end_ids` that the output ends with after `token` (after a
-        mismatch a shorter start may still be under way: `</</think>`)."""
-        seen = (*self.end_ids[: self.matched], token)
-        for n in range(len(seen), 0, -1):
-            if seen[-n:] == self.end_ids[:n]:
-                return n
-        return 0
-
     def is_terminated(self) -> bool:
-        return not self.reasoning and self.inner.is_terminated()
+        return self.end.done and self.inner.is_terminated()
 
     def masking(self) -> Matcher | None:
-        return None if self.reasoning else self.inner
+        return self.inner if self.end.done else None
 
     def may_mask_after_one(self) -> bool:
         # A reasoning long enough to matter samples its steps unmasked, without waiting:
         # only the token that may complete the end marker can open the grammar.
-        return not self.reasoning or self.matched == len(self.end_ids) - 1
+        return self.end.done or self.end.one_short()
 
 
-__all__ = ["ReasoningGate", "reasoning_end_ids"]
+__all__ = ["ReasoningGate"]

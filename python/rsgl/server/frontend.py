@@ -72,10 +72,13 @@ class Frontend:
         request_timeout_s: float | None = None,
         stream_stall_timeout_s: float = 30.0,
         stream_interval: int = 1,
+        reasoning_end_ids: Sequence[int] | None = None,
     ) -> None:
         if len(infos) != len(commands):
             raise ValueError(f"{len(infos)} rank infos for {len(commands)} command sockets")
-        self.processor = OutputProcessor(tokenizer, on_stop=self._on_stop, observer=self)
+        self.processor = OutputProcessor(
+            tokenizer, on_stop=self._on_stop, observer=self, reasoning_end_ids=reasoning_end_ids
+        )
         # The ranks are replicas of one model: rank 0 speaks for the model and its sizes.
         self.rank_infos = list(infos)
         self.info = self.rank_infos[0]

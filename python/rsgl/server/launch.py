@@ -27,6 +27,7 @@ from fastapi import FastAPI
 
 from rsgl.args import EngineArgs, ServerArgs, add_cli_args, from_cli
 from rsgl.gc_tuning import freeze_startup_objects
+from rsgl.reasoning import reasoning_end_ids
 from rsgl.server.app import ServerState, StateHolder, create_app
 from rsgl.server.frontend import Frontend
 from rsgl.server.metrics import ServerMetrics
@@ -138,6 +139,7 @@ def make_app(ns: argparse.Namespace, server: _Server | None = None) -> FastAPI:
                 request_timeout_s=ns.request_timeout_s,
                 stream_stall_timeout_s=ns.stream_stall_timeout_s,
                 stream_interval=ns.stream_interval,
+                reasoning_end_ids=reasoning_end_ids(tokenizer, args.reasoning_parser),
             )
             state = ServerState(
                 frontend=frontend,

@@ -385,23 +385,14 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, "BadRequestError", param)
 
 
-def usage(meta: dict[str, Any]) -> dict[str, Any]:
-    prompt, completion = meta["prompt_tokens"], meta["completion_tokens"]
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": meta.get("cached_tokens", 0)},
-    }
-
-
 def sum_usage(metas: list[dict[str, Any]]) -> dict[str, Any]:
     """Usage of a request with several choices: the prompt counts once per prompt."""
     prompts: dict[int, tuple[int, int]] = {}
-    completion = 0
+    completion = reasoning = 0
     for i, m in enumerate(metas):
         prompts.setdefault(m.get("prompt_index", i), (m["prompt_tokens"], m["cached_tokens"]))
         completion += m["completion_tokens"]
+        reasoning += m.get("reasoning_tokens", 0)
     prompt = sum(p for p, _ in prompts.values())
     cached = sum(c for _, c in prompts.values())
     return {
@@ -409,4 +400,5 @@ def sum_usage(metas: list[dict[str, Any]]) -> dict[str, Any]:
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
+        "completion_tokens_details": {"reasoning_tokens": reasoning},
     }

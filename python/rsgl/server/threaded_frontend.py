@@ -16,6 +16,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from rsgl.args import EngineArgs
+from rsgl.reasoning import reasoning_end_ids
 from rsgl.server.frontend import Frontend, sum_stats
 from rsgl.server.metrics import ServerMetrics
 from rsgl.server.ranks import SchedulerRanks, check_data_parallel
@@ -82,6 +83,7 @@ class ThreadedFrontend:
             ranks.events,
             load_balance_method=args.load_balance_method,
             stream_interval=args.stream_interval,
+            reasoning_end_ids=reasoning_end_ids(tokenizer, args.reasoning_parser),
         )
         self._tasks.append(asyncio.ensure_future(frontend.run_events()))
         self._tasks.append(asyncio.ensure_future(ranks.watch(frontend, lambda: None)))

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from rsgl._core import FinishReason
 from rsgl.outputs import Output, TokenUpdate, merge, spec_meta
+from rsgl.reasoning import MarkerWatch
 from rsgl.sampling_params import SamplingParams
 from rsgl.tokenizer.detokenizer import ByteTable, Decoder, IncrementalDetokenizer, fast_decode
 
@@ -208,6 +209,10 @@ class RequestRecord:
     queue_time: float | None = None
     spec: tuple[int, int, int] | None = None  # TokenUpdate.spec, the latest
     logprobs: list[dict[str, Any]] = field(default_factory=list)
+    # A request that reasons first (require_reasoning): the watch for its reasoning's end
+    # marker, and how many of its tokens the reasoning took (the marker's included).
+    reasoning: MarkerWatch | None = None
+    reasoning_tokens: int = 0
     # Its text: a handle in the processor's batched `Detokenizer` (byte-level BPE), or its
     # own decoded-window detokenizer (any other tokenizer).
     text_handle: int = -1
@@ -243,8 +248,12 @@ class OutputProcessor:
         tokenizer: Decoder,
         on_stop: Callable[[str, str], None],
         observer: Observer | None = None,
+        reasoning_end_ids: Sequence[int] | None = None,
     ) -> None:
         self.decode = fast_decode(tokenizer)
+        # The tokens of the end of a reasoning (--reasoning-parser): the reasoning tokens of
+        # a request that reasons are counted up to them (usage's `reasoning_tokens`).
+        self.reasoning_end_ids = reasoning_end_ids
         # Byte-level BPE: every request's text of a step in one call to the Rust core; any
         # other tokenizer: one decoded-window detokenizer per request.
         table = ByteTable.of(tokenizer)
@@ -260,6 +269,8 @@ class OutputProcessor:
         p = record.params
         if p.stream_interval:
             record.queue.use_interval(p.stream_interval)
+        if p.require_reasoning and self.reasoning_end_ids:
+            record.reasoning = MarkerWatch(self.reasoning_end_ids)
         if self.detokenizer is not None:
             record.text_handle = self.detokenizer.add(p.stop, p.skip_special_tokens, p.no_stop_trim)
         else:
@@ -353,6 +364,12 @@ class OutputProcessor:
         """Counts the first `kept` tokens of `update` as generated, and returns their
         log-probability entries (also kept for meta_info) when the request asked for them."""
         record.completion_tokens += kept
+        watch = record.reasoning
+        if watch is not None and not watch.done:
+            for token in update.token_ids[:kept]:
+                record.reasoning_tokens += 1
+                if watch.feed(token):
+                    break
         if not record.params.return_logprob:
             return None
         entries = (update.logprobs or [])[:kept]
@@ -407,6 +424,8 @@ def make_meta(record: RequestRecord, reason: FinishReason) -> dict[str, Any]:
         # Never scheduled (aborted while queued): it waited all its life.
         "queue_time": record.queue_time if record.queue_time is not None else now - record.created,
     }
+    if record.reasoning is not None:
+        meta["reasoning_tokens"] = record.reasoning_tokens
     if record.spec is not None:
         meta.update(spec_meta(record.spec))
     if record.params.return_logprob:
