@@ -197,9 +197,9 @@ static inline void dequant_block16(int fmt, const uint8_t* q, const float* d, co
 
 /* The AVX2 path's reduction of its four accumulators (elements 0-7, 8-15, 16-23, 24-31),
    here the halves of lo (0-15) and hi (16-31): the same tree. (Measured against the AVX2
-   build on random blocks: the same bits for Q4_1, and for one row of x in every format;
-   Q4_0's and Q8_0's two-row products can differ in the last bit, where -ffast-math lets the
-   compiler fuse them otherwise.) */
+   build on random blocks: the same bits in every GGUF format, for one, two and three rows
+   of x. -ffast-math lets the compiler fuse and reassociate each inlined copy its own way,
+   so that is checked, not promised; see row_tiles.) */
 static inline float hsum16(__m512 lo, __m512 hi) {
     const __m256 a = _mm512_castps512_ps256(lo);
     const __m256 b = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lo), 1));
@@ -381,15 +381,17 @@ static inline void dot_rows(const int fmt, const QMat* a, int64_t n, int64_t nb,
 }
 #endif
 
-#if !defined(__AVX512F__)
-/* Rows x0 and (when not NULL) x1 of x times weight rows n and (when `both`) n + 1, into
-   y0[0], y0[1] and y1[0], y1[1]. */
+#if defined(__AVX512F__)
+#define TWO_WEIGHT_ROWS 1
+#else
+/* One weight row at a time (`both` is never set: see row_tiles). */
+#define TWO_WEIGHT_ROWS 0
 static inline __attribute__((always_inline)) void dot_tile(const int fmt, const QMat* a,
                                                            int64_t n, int both, int64_t nb,
                                                            const float* x0, const float* x1,
                                                            float* y0, float* y1) {
+    (void)both;
     dot_rows(fmt, a, n, nb, x0, x1, y0, y1);
-    if (both) dot_rows(fmt, a, n + 1, nb, x0, x1, y0 + 1, x1 ? y1 + 1 : NULL);
 }
 #endif
 
@@ -406,10 +408,17 @@ static inline __attribute__((always_inline)) void row_tiles(const int fmt, const
        Past the matrix's end the hint reads nothing: prefetches never fault. */
     prefetch_bytes(a->w + (n + 8) * a->row_bytes, 2 * a->row_bytes);
     const int both = n + 1 < N;
+    /* A pair of x rows already has four sums per weight row, so each weight row goes on
+       its own (both at once measured 2% slower at batch 16); a single x row takes the two
+       weight rows together (AVX-512). One call site: each inlined copy of the loop may sum
+       in its own order under -ffast-math, and a row of x must not depend on its batch. */
     for (int64_t r = 0; r < M; r += 2) {
         const int two = r + 1 < M;
-        dot_tile(fmt, a, n, both, K / QK, x + r * K, two ? x + (r + 1) * K : NULL,
-                 y + r * N + n, two ? y + (r + 1) * N + n : NULL);
+        const int pair = TWO_WEIGHT_ROWS && !two && both;
+        for (int64_t i = 0; i <= (pair ? 0 : both); i++)
+            dot_tile(fmt, a, n + i, pair, K / QK, x + r * K,
+                     two ? x + (r + 1) * K : NULL, y + r * N + n + i,
+                     two ? y + (r + 1) * N + n + i : NULL);
     }
 }
 
