@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 # The C sources, shipped in the package: compiled together into one shared library.
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
-_SOURCES = ("elementwise.c", "attention.c", "quant.c")
+_SOURCES = ("elementwise.c", "attention.c", "quant.c", "decode_stack.c")
 
 # Kernel name suffix of each activation (model) dtype.
 _ACT_SUFFIXES: dict[torch.dtype, str] = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -239,6 +239,11 @@ class CpuKernels:
         self._dequant_rows_group.argtypes = [i32, ptr, ptr, ptr, i64, i64, ptr, i64, ptr]
         self._bitmask = lib.rsgl_apply_token_bitmask_f32
         self._bitmask.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, i32]
+        # A decode step through every layer of a low-bit model in one call (decode_stack.c).
+        self._decode_stack = lib.rsgl_decode_stack
+        self._decode_stack.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64]
+        self._decode_stack.argtypes += [ptr, ptr, i32]
+        self._decode_stack.restype = ctypes.c_int
         isa = lib.rsgl_kernel_isa
         isa.argtypes, isa.restype = [], ctypes.c_char_p
         # The instruction sets the kernels were compiled for (which of their paths run).
@@ -257,6 +262,55 @@ class CpuKernels:
             self._bitmask,
         ):
             fn.restype = None
+
+    def layer_kernels(self, act: torch.dtype, kv: torch.dtype) -> tuple[int, int, int]:
+        """The addresses of the add+RMSNorm, SiLU-and-multiply and fused decode-layer kernels
+        for activations of `act` over a KV cache of `kv` (for `rsgl_decode_stack`)."""
+        fns = (self._add_rmsnorm[act], self._silu_mul[act], self._decode_layer[act, kv])
+        return tuple(_address(fn) for fn in fns)  # type: ignore[return-value]
+
+    def qlinear_address(self, fmt: str | None, act: torch.dtype) -> int:
+        """The projection kernel over GGUF blocks of `fmt` (None: over load-time groups)."""
+        fn = self._qlinear_group[act] if fmt is None else self._qlinear[fmt, act]
+        return _address(fn)
+
+    def decode_stack(
+        self,
+        model: Any,
+        layers: Any,
+        num_layers: int,
+        x: torch.Tensor,
+        final_norm: torch.Tensor,
+        cis: torch.Tensor,
+        loc: torch.Tensor,
+        req_to_token: torch.Tensor,
+        req_slots: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """Every decoder layer of a decode step, then the final norm, in one call (see
+        decode_stack.c; `model` and `layers` are its ctypes structures, built and checked by
+        rsgl.layers.decode_stack). x: [B, hidden], the embedded tokens (overwritten);
+        returns the normed [B, hidden] the LM head reads."""
+        normed = torch.empty_like(x)
+        status = self._decode_stack(
+            ctypes.byref(model),
+            layers,
+            num_layers,
+            x.data_ptr(),
+            normed.data_ptr(),
+            final_norm.data_ptr(),
+            x.shape[0],
+            cis.data_ptr(),
+            loc.data_ptr(),
+            req_to_token.data_ptr(),
+            req_to_token.stride(0),
+            req_slots.data_ptr(),
+            seq_lens.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise MemoryError("decode_stack: no memory for the step's scratch")
+        return normed
 
     def supports(self, act_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
         """Whether the attention kernels were built for activations of `act_dtype` (the
@@ -544,6 +598,13 @@ class CpuKernels:
             bitmask.shape[1],
             torch.get_num_threads(),
         )
+
+
+def _address(fn: Any) -> int:
+    """A ctypes function's address, to hand to another kernel."""
+    address = ctypes.cast(fn, ctypes.c_void_p).value
+    assert address is not None
+    return address
 
 
 def _cpu_fingerprint() -> str:

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rsgl.layers import decode_stack
 from rsgl.layers.attention.base import AttentionBackend
+from rsgl.layers.attention.torch_native import TorchNativeAttnBackend
 from rsgl.layers.cpu_kernels import ACT_DTYPES, QUANT_BLOCK, CpuKernels, load_cpu_kernels
 from rsgl.layers.linear import PackedLinear, can_pack, pack_linears
 from rsgl.layers.norm import RMSNorm
@@ -21,6 +25,8 @@ from rsgl.models.config import ModelConfig
 if TYPE_CHECKING:
     from rsgl.distributed.group import TPRank
     from rsgl.model_executor.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
 
 # HF checkpoint projection name -> (fused parameter, shard index).
 _FUSED_SHARDS: dict[str, tuple[str, int]] = {
@@ -250,6 +256,9 @@ class LlamaForCausalLM(nn.Module):
         # small batches.
         self.low_bit_lm_head: QuantLinear | None = None
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope)
+        # The decode stack for the attention backend and activation dtype of `_stack_key`.
+        self._stack_key: tuple[int, torch.dtype] | None = None
+        self._stack: _Stack | None = None
 
     @property
     def layers(self) -> list[LlamaDecoderLayer]:
@@ -406,6 +415,10 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         cis = self.rotary.cis(batch.positions)
+        if not all_positions:
+            normed = self._decode_stack_step(hidden, cis, batch, attn)
+            if normed is not None:
+                return self.compute_logits(normed, gather_logits)
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cis, batch, attn)
         # Only the positions whose logits the step needs feed the LM head.
@@ -413,6 +426,80 @@ class LlamaForCausalLM(nn.Module):
         assert residual is not None
         normed, _ = self.model.norm.add_forward(hidden[last], residual[last])
         return self.compute_logits(normed, gather_logits)
+
+    def _decode_stack_step(
+        self, hidden: torch.Tensor, cis: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend
+    ) -> torch.Tensor | None:
+        """The final-normed states of a small decode-only batch, through every layer in one
+        C call (`rsgl.layers.decode_stack`: the same kernels, the same numbers), or None
+        where the layer-by-layer path must run."""
+        if not isinstance(attn, TorchNativeAttnBackend) or batch.logit_rows is not None:
+            return None
+        stack = self._decode_stack(attn, hidden.dtype)
+        if stack is None or hidden.shape[0] > stack.max_rows:
+            return None
+        step = attn.decode_stack_step(batch)
+        if step is None:
+            return None
+        loc, req_to_token, slots, lens = step
+        flat_cis = torch.view_as_real(cis)
+        return stack.stack.run(hidden.contiguous(), flat_cis, loc, req_to_token, slots, lens)
+
+    def _decode_stack(self, attn: TorchNativeAttnBackend, act: torch.dtype) -> _Stack | None:
+        """This model's decode stack over `attn`'s caches (built on first use), or None when
+        some part of it is not what the driver reads: a projection that is not low-bit, a
+        bias, Qwen3's q/k norms, tensor parallelism, no CPU kernels."""
+        key = (id(attn), act)
+        if self._stack_key == key:
+            return self._stack
+        self._stack_key, self._stack = key, None
+        kernels = attn.decode_kernel
+        config = self.config
+        eligible = (
+            decode_stack.ENABLED
+            and kernels is not None
+            and self.tp is None
+            and not (config.qk_norm or config.qkv_bias or config.o_bias)
+            and attn.model_dtype == act
+        )
+        if not eligible or kernels is None:
+            return None
+        parts: list[decode_stack.LayerParts] = []
+        max_rows: list[int] = []
+        for layer in self.layers:
+            attn_mod, mlp = layer.self_attn, layer.mlp
+            projs: list[nn.Module] = [
+                attn_mod.qkv_proj,
+                attn_mod.o_proj,
+                mlp.gate_up_proj,
+                mlp.down_proj,
+            ]
+            low_bit = [p for p in projs if isinstance(p, QuantLinear) and p.bias is None]
+            if len(low_bit) < len(projs):
+                return None
+            max_rows += [p.max_rows for p in low_bit]
+            qkv, o, gate_up, down = (p.weight for p in low_bit)
+            k, v, k_scales, v_scales = attn.layer_caches(layer.self_attn.layer_id)
+            norms = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+            parts.append(
+                decode_stack.LayerParts(*norms, qkv, o, gate_up, down, k, v, k_scales, v_scales)
+            )
+        shapes = decode_stack.Shapes(
+            config.hidden_size,
+            attn.num_heads,
+            attn.num_kv_heads,
+            config.head_dim,
+            self.layers[0].mlp.intermediate_size,
+            config.rms_norm_eps,
+            attn.scale,
+        )
+        try:
+            built = decode_stack.DecodeStack(kernels, act, parts, self.model.norm.weight, shapes)
+        except ValueError as exc:
+            logger.info("decoding layer by layer: %s", exc)
+            return None
+        self._stack = _Stack(built, min(max_rows))
+        return self._stack
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -490,6 +577,14 @@ class LlamaForCausalLM(nn.Module):
         if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
             return tensor[shard.vocab.start : shard.vocab.stop]
         return tensor
+
+
+@dataclass(frozen=True, slots=True)
+class _Stack:
+    """A decode stack, and the most rows its projections' low-bit path takes."""
+
+    stack: decode_stack.DecodeStack
+    max_rows: int
 
 
 def _check_same_values(dense: torch.Tensor, weight: LowBitWeight) -> None:

@@ -159,6 +159,30 @@ class TorchNativeAttnBackend(AttentionBackend):
             *self._scales(layer_id),
         )
 
+    def decode_stack_step(
+        self, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """For a decode-only batch that the fused decode kernel serves: (out_cache_loc,
+        req_to_token, request slots, sequence lengths), what `rsgl_decode_stack` reads for
+        every layer's attention (`forward_decode_qkv` reads the same). Else None."""
+        meta = batch.attn_metadata
+        if self.decode_kernel is None or batch.num_extends or not batch.num_decodes:
+            return None
+        assert isinstance(meta, _TorchNativeMetadata), "prepare(batch) was not called"
+        return (
+            batch.out_cache_loc,
+            self.req_to_token.req_to_token,
+            meta.decode_req_slots,
+            meta.decode_seq_lens,
+        )
+
+    def layer_caches(
+        self, layer_id: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Layer `layer_id`'s K and V buffers and (an int8 cache) their scales."""
+        cache = self.kv_cache
+        return cache.k_buffers[layer_id], cache.v_buffers[layer_id], *self._scales(layer_id)
+
     def _scales(self, layer_id: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The kernels' scale arguments: an int8 cache's k and v scales, else none."""
         if not self.kv_cache.scaled:
