@@ -387,3 +387,66 @@ def test_8_bit_caches_attend_over_their_stored_values(
             req_slots, torch.tensor(lens), heads, dim**-0.5,
             *((None, None) if cache.scaled else (cache.k_scales[0], cache.v_scales[0])),
         )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kv_dtype", "act", "dim", "heads", "kv_heads"),
+    [
+        (F32, torch.float32, 64, 6, 2),
+        (BF16, torch.bfloat16, 64, 9, 3),
+        (F16, torch.bfloat16, 40, 8, 4),
+        (torch.int8, torch.float32, 64, 9, 3),
+        (torch.float8_e4m3fn, torch.bfloat16, 128, 4, 2),
+    ],
+)
+def test_a_request_alone_gets_the_bits_it_gets_in_a_batch(
+    kernels: CpuKernels,
+    kv_dtype: torch.dtype,
+    act: torch.dtype,
+    dim: int,
+    heads: int,
+    kv_heads: int,
+) -> None:
+    # With fewer requests than threads a request's kv heads are split among the threads; in
+    # a batch of 17 each request is one work item. A head's arithmetic must not depend on
+    # which (4 threads: the split happens on any machine).
+    from rsgl.model_executor.kv_cache import KVCache
+
+    gen = torch.Generator().manual_seed(dim + kv_heads)
+    lens, table, req_slots, seq_slots, loc = _scattered_requests(gen, 70, 2048)
+    b = len(lens)
+    cache = KVCache(2048, 1, kv_heads, dim, kv_dtype, "cpu")
+    everything = torch.arange(2048)
+    keys, values = torch.randn(2, 2048, kv_heads, dim, generator=gen)
+    cache.set_kv(0, everything, keys, values)
+    qkv = torch.randn(b, (heads + 2 * kv_heads) * dim, generator=gen).to(act)
+    angles = torch.rand(b, 1, dim // 2, generator=gen) * 6
+    cis = torch.view_as_real(torch.polar(torch.ones_like(angles), angles))
+    scales = (cache.k_scales[0], cache.v_scales[0]) if cache.scaled else (None, None)
+    caches = cache.k_buffers[0], cache.v_buffers[0]
+    lengths = torch.tensor(lens)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        together = kernels.decode_layer(
+            qkv, cis, loc, *caches, table, req_slots, lengths, heads, dim**-0.5, *scales
+        )
+        q = qkv[:, : heads * dim].reshape(b, heads, dim).contiguous()
+        attended = torch.empty_like(q)
+        kernels.decode_attention(
+            q, *caches, table, req_slots, lengths, attended, dim**-0.5, *scales
+        )
+        for i in range(b):
+            one = slice(i, i + 1)
+            alone = kernels.decode_layer(
+                qkv[one], cis[one], loc[one], *caches, table, req_slots[one], lengths[one],
+                heads, dim**-0.5, *scales,
+            )  # fmt: skip
+            assert torch.equal(alone, together[one]), f"request {i} (length {lens[i]})"
+            solo = torch.empty_like(q[one])
+            kernels.decode_attention(
+                q[one], *caches, table, req_slots[one], lengths[one], solo, dim**-0.5, *scales
+            )
+            assert torch.equal(solo, attended[one])
+    finally:
+        torch.set_num_threads(threads)

@@ -7,13 +7,18 @@
      KV_LOAD16(p)    (AVX-512 only) elements p[0:16] as a __m512 of floats
      KV_AVX512       1 to attend with the AVX-512 intrinsics path when the CPU has it
      KV_SCALED       1 for int8: each (slot, kv head) has a float32 scale in ks / vs
-                     ([slots, Hkv]); 0: ks and vs are unused (NULL) */
+                     ([slots, Hkv]); 0: ks and vs are unused (NULL)
+
+   Every function takes the kv heads [j0, j1) it works on (and their query heads j0 G ..
+   j1 G - 1, G = H / Hkv; buffers stay indexed by absolute head): a request's heads can be
+   split among threads, and each head's arithmetic is the same whichever range it is in. */
 
 /* With KV_SCALED, row h of sc ([H, len]) times the scale kept at each position's slot for
    kv head h / G: a key's scale on its scores before the softmax, a value's on its
    probabilities after it, so the loops over K and V read the stored integers as they are. */
 static inline void FN(scale_scores)(float* sc, const float* scales, const int32_t* slots,
-                                    int64_t len, int64_t H, int64_t Hkv) {
+                                    int64_t len, int64_t H, int64_t Hkv, int64_t j0,
+                                    int64_t j1) {
 #if KV_SCALED
     const int64_t G = H / Hkv;
     int64_t s0 = 0;
@@ -23,7 +28,7 @@ static inline void FN(scale_scores)(float* sc, const float* scales, const int32_
     for (; s0 + 16 <= len; s0 += 16) {
         const __m512i at = _mm512_mullo_epi32(
             _mm512_loadu_si512(slots + s0), _mm512_set1_epi32((int32_t)Hkv));
-        for (int64_t j = 0; j < Hkv; j++) {
+        for (int64_t j = j0; j < j1; j++) {
             const __m512 f = _mm512_i32gather_ps(
                 _mm512_add_epi32(at, _mm512_set1_epi32((int32_t)j)), scales, 4);
             for (int64_t h = j * G; h < (j + 1) * G; h++) {
@@ -35,11 +40,11 @@ static inline void FN(scale_scores)(float* sc, const float* scales, const int32_
 #endif
     for (int64_t s = s0; s < len; s++) {
         const float* at = scales + (int64_t)slots[s] * Hkv;
-        for (int64_t j = 0; j < Hkv; j++)
+        for (int64_t j = j0; j < j1; j++)
             for (int64_t h = j * G; h < (j + 1) * G; h++) sc[h * len + s] *= at[j];
     }
 #else
-    (void)sc, (void)scales, (void)slots, (void)len, (void)H, (void)Hkv;
+    (void)sc, (void)scales, (void)slots, (void)len, (void)H, (void)Hkv, (void)j0, (void)j1;
 #endif
 }
 
@@ -61,17 +66,17 @@ static inline void FN(store_head)(KV_T* dst, float* scale, const float* x, int64
 static inline __attribute__((always_inline)) void FN(attend_impl)(
     const float* qb, const KV_T* kb, const KV_T* vb, const float* ks, const float* vs,
     const int32_t* slots, int64_t len,
-    int64_t H, int64_t Hkv, const int64_t D, float scale, float* sc, float* row_tmp,
-    float* ob) {
+    int64_t H, int64_t Hkv, int64_t j0, int64_t j1, const int64_t D, float scale, float* sc,
+    float* row_tmp, float* ob) {
     const int64_t G = H / Hkv;
-    const int64_t row = Hkv * D;
-    const int64_t row_bytes = row * (int64_t)sizeof(KV_T);
+    const int64_t row = Hkv * D, first = j0 * D, width = (j1 - j0) * D;
+    const int64_t part_bytes = width * (int64_t)sizeof(KV_T);
     for (int64_t s = 0; s < len; s++) {
         if (s + PREFETCH_AHEAD < len)
-            prefetch_bytes(kb + (int64_t)slots[s + PREFETCH_AHEAD] * row, row_bytes);
-        const float* k = FN(widen)(kb + (int64_t)slots[s] * row, row_tmp, row);
-        for (int64_t j = 0; j < Hkv; j++) {
-            const float* kh = k + j * D;
+            prefetch_bytes(kb + (int64_t)slots[s + PREFETCH_AHEAD] * row + first, part_bytes);
+        const float* k = FN(widen)(kb + (int64_t)slots[s] * row + first, row_tmp, width);
+        for (int64_t j = j0; j < j1; j++) {
+            const float* kh = k + (j - j0) * D;
             for (int64_t h = j * G; h < (j + 1) * G; h++) {
                 const float* qh = qb + h * D;
                 float acc = 0.f;
@@ -81,16 +86,16 @@ static inline __attribute__((always_inline)) void FN(attend_impl)(
             }
         }
     }
-    FN(scale_scores)(sc, ks, slots, len, H, Hkv);
-    softmax_rows(sc, H, len);
-    FN(scale_scores)(sc, vs, slots, len, H, Hkv);
-    for (int64_t i = 0; i < H * D; i++) ob[i] = 0.f;
+    FN(scale_scores)(sc, ks, slots, len, H, Hkv, j0, j1);
+    softmax_rows(sc + j0 * G * len, (j1 - j0) * G, len);
+    FN(scale_scores)(sc, vs, slots, len, H, Hkv, j0, j1);
+    for (int64_t i = j0 * G * D; i < j1 * G * D; i++) ob[i] = 0.f;
     for (int64_t s = 0; s < len; s++) {
         if (s + PREFETCH_AHEAD < len)
-            prefetch_bytes(vb + (int64_t)slots[s + PREFETCH_AHEAD] * row, row_bytes);
-        const float* v = FN(widen)(vb + (int64_t)slots[s] * row, row_tmp, row);
-        for (int64_t j = 0; j < Hkv; j++) {
-            const float* vh = v + j * D;
+            prefetch_bytes(vb + (int64_t)slots[s + PREFETCH_AHEAD] * row + first, part_bytes);
+        const float* v = FN(widen)(vb + (int64_t)slots[s] * row + first, row_tmp, width);
+        for (int64_t j = j0; j < j1; j++) {
+            const float* vh = v + (j - j0) * D;
             for (int64_t h = j * G; h < (j + 1) * G; h++) {
                 float* oh = ob + h * D;
                 const float p = sc[h * len + s];
@@ -135,11 +140,11 @@ static inline __m512 FN(sum16)(const __m512* v) {
                          _mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* The scores of 16 positions for every head, from their parked 16-lane partial sums
+/* The scores of 16 positions for heads h0 .. h1 - 1, from their parked 16-lane partial sums
    (part: H x 16 vectors): out[h * stride + t] = scale * (the lanes of part[h][t] summed). */
-static inline void FN(finish16)(const float* part, int64_t H, __m512 vscale, float* out,
-                                int64_t stride) {
-    for (int64_t h = 0; h < H; h++) {
+static inline void FN(finish16)(const float* part, int64_t h0, int64_t h1, __m512 vscale,
+                                float* out, int64_t stride) {
+    for (int64_t h = h0; h < h1; h++) {
         __m512 v[16];
         for (int64_t t = 0; t < 16; t++) v[t] = _mm512_loadu_ps(part + (h * 16 + t) * 16);
         _mm512_storeu_ps(out + h * stride, _mm512_mul_ps(FN(sum16)(v), vscale));
@@ -175,13 +180,13 @@ static inline __attribute__((always_inline)) void FN(v_group)(
    up to 4 (and 16 / C), so the group's accumulators stay in registers over all positions. */
 static inline __attribute__((always_inline)) void FN(v_pass)(
     const float* sc, const KV_T* vb, const int32_t* slots, int64_t len, int64_t H,
-    int64_t Hkv, const int64_t D, float* ob) {
+    int64_t Hkv, int64_t j0, int64_t j1, const int64_t D, float* ob) {
     const int64_t G = H / Hkv, C = D / 16, row = Hkv * D;
     const int64_t NG = C >= 16 ? 1 : (16 / C < 4 ? 16 / C : 4);
-    for (int64_t j = 0; j < Hkv; j++) {
+    for (int64_t j = j0; j < j1; j++) {
         for (int64_t g0 = 0; g0 < G; g0 += NG) {
             const int64_t h0 = j * G + g0;
-            const int pf = j == 0 && g0 == 0;
+            const int pf = j == j0 && g0 == 0;
             switch (G - g0 < NG ? G - g0 : NG) {
                 case 1: FN(v_group)(sc, vb, slots, len, row, j * D, C, 1, h0, pf, ob); break;
                 case 2: FN(v_group)(sc, vb, slots, len, row, j * D, C, 2, h0, pf, ob); break;
@@ -194,11 +199,11 @@ static inline __attribute__((always_inline)) void FN(v_pass)(
 
 static inline __attribute__((always_inline)) void FN(attend_avx512_impl)(
     const float* qb, const KV_T* kb, const KV_T* vb, const float* ks, const float* vs,
-    const int32_t* slots, int64_t len,
-    int64_t H, int64_t Hkv, const int64_t D, float scale, float* sc, float* tmp, float* ob) {
-    const int64_t G = H / Hkv, C = D / 16, row = Hkv * D;
+    const int32_t* slots, int64_t len, int64_t H, int64_t Hkv, int64_t j0, int64_t j1,
+    const int64_t D, float scale, float* sc, float* tmp, float* ob) {
+    const int64_t G = H / Hkv, C = D / 16, row = Hkv * D, first = j0 * D;
     float* part = tmp + row;  /* H x 16 partial-sum vectors */
-    const int64_t row_bytes = row * (int64_t)sizeof(KV_T);
+    const int64_t part_bytes = (j1 - j0) * D * (int64_t)sizeof(KV_T);
     const __m512 vscale = _mm512_set1_ps(scale);
     /* Whole K rows in order, prefetched PREFETCH_AHEAD rows ahead; each
        score's 16-lane partial sum waits in part (H x 16 vectors) until 16 positions are
@@ -208,9 +213,10 @@ static inline __attribute__((always_inline)) void FN(attend_avx512_impl)(
         for (int64_t t = 0; t < 16; t++) {
             const int64_t s = s0 + t;
             if (s + PREFETCH_AHEAD < len)
-                prefetch_bytes(kb + (int64_t)slots[s + PREFETCH_AHEAD] * row, row_bytes);
+                prefetch_bytes(kb + (int64_t)slots[s + PREFETCH_AHEAD] * row + first,
+                               part_bytes);
             const KV_T* k = kb + (int64_t)slots[s] * row;
-            for (int64_t j = 0; j < Hkv; j++) {
+            for (int64_t j = j0; j < j1; j++) {
                 /* kv head j widened once, into registers, for its G query heads */
                 __m512 kc[16];
                 for (int64_t c = 0; c < C; c++) kc[c] = KV_LOAD16(k + j * D + 16 * c);
@@ -223,11 +229,11 @@ static inline __attribute__((always_inline)) void FN(attend_avx512_impl)(
                 }
             }
         }
-        FN(finish16)(part, H, vscale, sc + s0, len);
+        FN(finish16)(part, j0 * G, j1 * G, vscale, sc + s0, len);
     }
     for (int64_t s = s0; s < len; s++) {
         const KV_T* k = kb + (int64_t)slots[s] * row;
-        for (int64_t h = 0; h < H; h++) {
+        for (int64_t h = j0 * G; h < j1 * G; h++) {
             const KV_T* kh = k + (h / G) * D;
             const float* qh = qb + h * D;
             __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qh), KV_LOAD16(kh));
@@ -236,39 +242,39 @@ static inline __attribute__((always_inline)) void FN(attend_avx512_impl)(
             sc[h * len + s] = _mm512_reduce_add_ps(a) * scale;
         }
     }
-    FN(scale_scores)(sc, ks, slots, len, H, Hkv);
-    softmax_rows(sc, H, len);
-    FN(scale_scores)(sc, vs, slots, len, H, Hkv);
-    FN(v_pass)(sc, vb, slots, len, H, Hkv, D, ob);
+    FN(scale_scores)(sc, ks, slots, len, H, Hkv, j0, j1);
+    softmax_rows(sc + j0 * G * len, (j1 - j0) * G, len);
+    FN(scale_scores)(sc, vs, slots, len, H, Hkv, j0, j1);
+    FN(v_pass)(sc, vb, slots, len, H, Hkv, j0, j1, D, ob);
 }
 #endif
 
 /* sc: len * H scores, tmp: ATTEND_TMP(H, Hkv, D) floats of scratch. */
 static void FN(attend_one)(const float* qb, const KV_T* kb, const KV_T* vb,
                            const float* ks, const float* vs, const int32_t* slots,
-                           int64_t len, int64_t H, int64_t Hkv, int64_t D,
-                           float scale, float* sc, float* tmp, float* ob) {
+                           int64_t len, int64_t H, int64_t Hkv, int64_t j0, int64_t j1,
+                           int64_t D, float scale, float* sc, float* tmp, float* ob) {
 #if defined(__AVX512F__)
     /* Measured per element type (decode at batch 64, ~165 positions): for 16-bit caches the
        intrinsics path is ~20% faster on contiguous rows and equal on scattered ones; for
        float32 the compiler's loops below are ~15% faster on contiguous rows (equal on
        scattered), so float32 stays on them. */
     if (KV_AVX512 && D == 64)
-        return FN(attend_avx512_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, 64, scale, sc,
-                                      tmp, ob);
+        return FN(attend_avx512_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, j0, j1, 64,
+                                      scale, sc, tmp, ob);
     if (KV_AVX512 && D == 128)
-        return FN(attend_avx512_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, 128, scale, sc,
-                                      tmp, ob);
+        return FN(attend_avx512_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, j0, j1, 128,
+                                      scale, sc, tmp, ob);
     if (KV_AVX512 && D % 16 == 0 && D <= 256)
-        return FN(attend_avx512_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, D, scale, sc,
-                                      tmp, ob);
+        return FN(attend_avx512_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, j0, j1, D,
+                                      scale, sc, tmp, ob);
 #endif
     if (D == 64)
-        FN(attend_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, 64, scale, sc, tmp, ob);
+        FN(attend_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, j0, j1, 64, scale, sc, tmp, ob);
     else if (D == 128)
-        FN(attend_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, 128, scale, sc, tmp, ob);
+        FN(attend_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, j0, j1, 128, scale, sc, tmp, ob);
     else
-        FN(attend_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, D, scale, sc, tmp, ob);
+        FN(attend_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, j0, j1, D, scale, sc, tmp, ob);
 }
 
 #if defined(KV_DPBF16) && defined(__AVX512BF16__)
@@ -282,16 +288,16 @@ static void FN(attend_one)(const float* qb, const KV_T* kb, const KV_T* vb,
    3 KV heads, D 64) at batch 64 x 164 positions: see attend_one. */
 static inline __attribute__((always_inline)) void FN(attend_dp_impl)(
     const float* qb, const KV_T* kb, const KV_T* vb, const float* ks, const float* vs,
-    const int32_t* slots, int64_t len,
-    int64_t H, int64_t Hkv, const int64_t D, float scale, float* sc, float* tmp, float* ob) {
-    const int64_t G = H / Hkv, C2 = D / 32, row = Hkv * D;
-    const int64_t row_bytes = row * (int64_t)sizeof(KV_T);
+    const int32_t* slots, int64_t len, int64_t H, int64_t Hkv, int64_t j0, int64_t j1,
+    const int64_t D, float scale, float* sc, float* tmp, float* ob) {
+    const int64_t G = H / Hkv, C2 = D / 32, row = Hkv * D, first = j0 * D;
+    const int64_t part_bytes = (j1 - j0) * D * (int64_t)sizeof(KV_T);
     const __m512 vscale = _mm512_set1_ps(scale);
     /* The packed query: H x C2 vectors of 32 bfloat16. tmp holds the parked partial sums
        (H x 16 vectors), as in attend_avx512_impl. */
     __m512bh qv[H * C2];
     float* part = tmp + row;
-    for (int64_t h = 0; h < H; h++)
+    for (int64_t h = j0 * G; h < j1 * G; h++)
         for (int64_t c = 0; c < C2; c++) {
             const float* q = qb + h * D + 32 * c;
             qv[h * C2 + c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 16), _mm512_loadu_ps(q));
@@ -301,9 +307,10 @@ static inline __attribute__((always_inline)) void FN(attend_dp_impl)(
         for (int64_t t = 0; t < 16; t++) {
             const int64_t s = s0 + t;
             if (s + PREFETCH_AHEAD < len)
-                prefetch_bytes(kb + (int64_t)slots[s + PREFETCH_AHEAD] * row, row_bytes);
+                prefetch_bytes(kb + (int64_t)slots[s + PREFETCH_AHEAD] * row + first,
+                               part_bytes);
             const KV_T* k = kb + (int64_t)slots[s] * row;
-            for (int64_t j = 0; j < Hkv; j++) {
+            for (int64_t j = j0; j < j1; j++) {
                 __m512bh kc[8];
                 for (int64_t c = 0; c < C2; c++)
                     kc[c] = (__m512bh)_mm512_loadu_si512(k + j * D + 32 * c);
@@ -314,11 +321,11 @@ static inline __attribute__((always_inline)) void FN(attend_dp_impl)(
                 }
             }
         }
-        FN(finish16)(part, H, vscale, sc + s0, len);
+        FN(finish16)(part, j0 * G, j1 * G, vscale, sc + s0, len);
     }
     for (int64_t s = s0; s < len; s++) {
         const KV_T* k = kb + (int64_t)slots[s] * row;
-        for (int64_t h = 0; h < H; h++) {
+        for (int64_t h = j0 * G; h < j1 * G; h++) {
             const KV_T* kh = k + (h / G) * D;
             __m512 a = _mm512_setzero_ps();
             for (int64_t c = 0; c < C2; c++)
@@ -326,27 +333,27 @@ static inline __attribute__((always_inline)) void FN(attend_dp_impl)(
             sc[h * len + s] = _mm512_reduce_add_ps(a) * scale;
         }
     }
-    FN(scale_scores)(sc, ks, slots, len, H, Hkv);
-    softmax_rows(sc, H, len);
-    FN(scale_scores)(sc, vs, slots, len, H, Hkv);
-    FN(v_pass)(sc, vb, slots, len, H, Hkv, D, ob);
+    FN(scale_scores)(sc, ks, slots, len, H, Hkv, j0, j1);
+    softmax_rows(sc + j0 * G * len, (j1 - j0) * G, len);
+    FN(scale_scores)(sc, vs, slots, len, H, Hkv, j0, j1);
+    FN(v_pass)(sc, vb, slots, len, H, Hkv, j0, j1, D, ob);
 }
 
 /* attend_one for queries that hold bfloat16 values (see attend_dp_impl). */
 static void FN(attend_one_q16)(const float* qb, const KV_T* kb, const KV_T* vb,
                                const float* ks, const float* vs, const int32_t* slots,
-                               int64_t len, int64_t H, int64_t Hkv,
+                               int64_t len, int64_t H, int64_t Hkv, int64_t j0, int64_t j1,
                                int64_t D, float scale, float* sc, float* tmp, float* ob) {
     if (D == 64)
-        return FN(attend_dp_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, 64, scale, sc, tmp,
-                                  ob);
+        return FN(attend_dp_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, j0, j1, 64,
+                                  scale, sc, tmp, ob);
     if (D == 128)
-        return FN(attend_dp_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, 128, scale, sc, tmp,
-                                  ob);
+        return FN(attend_dp_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, j0, j1, 128,
+                                  scale, sc, tmp, ob);
     if (D % 32 == 0 && D <= 256)
-        return FN(attend_dp_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, D, scale, sc, tmp,
-                                  ob);
-    FN(attend_one)(qb, kb, vb, ks, vs, slots, len, H, Hkv, D, scale, sc, tmp, ob);
+        return FN(attend_dp_impl)(qb, kb, vb, ks, vs, slots, len, H, Hkv, j0, j1, D,
+                                  scale, sc, tmp, ob);
+    FN(attend_one)(qb, kb, vb, ks, vs, slots, len, H, Hkv, j0, j1, D, scale, sc, tmp, ob);
 }
 #define ATTEND_Q16 FN(attend_one_q16)
 #else

@@ -24,35 +24,111 @@
    output before it is rounded. */
 #define ACT_TMP(H, D) (ACT_BF16 ? 2 * (H) * (D) : 0)
 
+/* Work items per request: one, or (fewer requests than threads) one per kv head, so that a
+   batch of one still uses every thread. A head's arithmetic is the same whichever item it
+   falls in, so the split changes no bit of the output. */
+static inline int64_t ENTRY(items_per_request)(int64_t B, int64_t Hkv, int nthreads) {
+    return B < nthreads ? Hkv : 1;
+}
+
+/* Work item i: its request, and the kv heads [j0, j1) it attends for. */
+static inline int64_t ENTRY(item_heads)(int64_t i, int64_t per, int64_t Hkv, int64_t* j0,
+                                        int64_t* j1) {
+    const int64_t c = i % per;
+    *j0 = c * Hkv / per;
+    *j1 = (c + 1) * Hkv / per;
+    return i / per;
+}
+
+/* Attention of request b's query heads for kv heads [j0, j1) into out (float32 query qf),
+   with its own scratch; out rounded to the activation dtype for those heads only. */
+static inline void ENTRY(attend_item)(
+    const float* qf, const KV_T* kb, const KV_T* vb, const float* ks, const float* vs,
+    const int32_t* r2t_row, int64_t len, ACT_T* out, int64_t H, int64_t Hkv, int64_t j0,
+    int64_t j1, int64_t D, float scale) {
+    const int64_t scratch = len * H + ATTEND_TMP(H, Hkv, D) + ACT_TMP(H, D);
+    float* sc = (float*)malloc(sizeof(float) * (size_t)scratch);
+    if (!sc) abort();
+    float* tmp = sc + len * H;
+#if ACT_BF16
+    float* of = tmp + ATTEND_TMP(H, Hkv, D);
+#else
+    float* of = out;
+#endif
+    ATTEND(qf, kb, vb, ks, vs, r2t_row, len, H, Hkv, j0, j1, D, scale, sc, tmp, of);
+#if ACT_BF16
+    const int64_t G = H / Hkv;
+    for (int64_t i = j0 * G * D; i < j1 * G * D; i++) bf16_store(out, i, of[i]);
+#endif
+    free(sc);
+}
+
 /* out[b, h] = softmax(q[b, h] . K[b]^T * scale) V[b] for one query per request, where the
-   keys of request b are the rows kb[req_to_token[req_slots[b], 0:seq_lens[b]]]. One request
-   per work item. */
+   keys of request b are the rows kb[req_to_token[req_slots[b], 0:seq_lens[b]]]. */
 void ENTRY(rsgl_decode_attention)(
     const ACT_T* q, const KV_T* kb, const KV_T* vb, const float* ks, const float* vs,
     const int32_t* req_to_token,
     int64_t r2t_stride, const int64_t* req_slots, const int64_t* seq_lens, ACT_T* out,
     int64_t B, int64_t H, int64_t Hkv, int64_t D, float scale, int nthreads) {
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-    for (int64_t b = 0; b < B; b++) {
-        const int64_t len = seq_lens[b];
-        const int64_t scratch = len * H + ATTEND_TMP(H, Hkv, D) + ACT_TMP(H, D);
-        float* sc = (float*)malloc(sizeof(float) * (size_t)scratch);
-        float* tmp = sc + len * H;
+    const int64_t per = ENTRY(items_per_request)(B, Hkv, nthreads);
 #if ACT_BF16
-        float* qf = tmp + ATTEND_TMP(H, Hkv, D);
-        float* of = qf + H * D;
-        widen_bf16(q + b * H * D, qf, H * D);
+    /* The widened queries, one row per request. */
+    float* qf = (float*)malloc(sizeof(float) * (size_t)(B * H * D));
+    if (!qf) abort();
+    widen_bf16(q, qf, B * H * D);
 #else
-        const float* qf = q + b * H * D;
-        float* of = out + b * H * D;
+    const float* qf = q;
 #endif
-        ATTEND(qf, kb, vb, ks, vs, req_to_token + req_slots[b] * r2t_stride, len, H, Hkv, D,
-                       scale, sc, tmp, of);
-#if ACT_BF16
-        for (int64_t i = 0; i < H * D; i++) bf16_store(out + b * H * D, i, of[i]);
-#endif
-        free(sc);
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t i = 0; i < B * per; i++) {
+        int64_t j0, j1;
+        const int64_t b = ENTRY(item_heads)(i, per, Hkv, &j0, &j1);
+        ENTRY(attend_item)(qf + b * H * D, kb, vb, ks, vs, req_to_token + req_slots[b] * r2t_stride,
+                           seq_lens[b], out + b * H * D, H, Hkv, j0, j1, D, scale);
     }
+#if ACT_BF16
+    free(qf);
+#endif
+}
+
+/* Request b's rotary and KV store of a decode-only layer step: q and k of row b of qkv
+   rotated by cis[b] (rounded to the activation dtype first, as the eager rotary's output
+   is), q into q ([H, D] float32), k and v stored at KV slot loc[b] (rounded to KV_T; an int8
+   cache's scales stored too). */
+static inline void ENTRY(rotate_store)(
+    const ACT_T* x, const float* cs, int64_t slot, KV_T* kb, KV_T* vb, float* ks, float* vs,
+    float* q, int64_t H, int64_t Hkv, int64_t D) {
+    const int64_t row = Hkv * D;
+    for (int64_t h = 0; h < H; h++) {
+        const ACT_T* xh = x + h * D;
+        float* dst = q + h * D;
+        for (int64_t i = 0; i < D / 2; i++) {
+            const float c = cs[2 * i], s = cs[2 * i + 1];
+            const float x0 = ACT_LOAD(xh, 2 * i), x1 = ACT_LOAD(xh, 2 * i + 1);
+            dst[2 * i] = ACT_ROUND(x0 * c - x1 * s);
+            dst[2 * i + 1] = ACT_ROUND(x0 * s + x1 * c);
+        }
+    }
+    /* Each kv head's rotated key, then its value, as floats in tmp, then stored. */
+    float tmp[512];
+    float* t = D <= 512 ? tmp : (float*)malloc(sizeof(float) * (size_t)D);
+    if (!t) abort();
+    KV_T* k = kb + slot * row;
+    KV_T* vdst = vb + slot * row;
+    const ACT_T* v = x + (H + Hkv) * D;
+    for (int64_t h = 0; h < Hkv; h++) {
+        const ACT_T* xh = x + (H + h) * D;
+        for (int64_t i = 0; i < D / 2; i++) {
+            const float c = cs[2 * i], s = cs[2 * i + 1];
+            const float x0 = ACT_LOAD(xh, 2 * i), x1 = ACT_LOAD(xh, 2 * i + 1);
+            t[2 * i] = ACT_ROUND(x0 * c - x1 * s);
+            t[2 * i + 1] = ACT_ROUND(x0 * s + x1 * c);
+        }
+        FN(store_head)(k + h * D, KV_SCALED ? ks + slot * Hkv + h : NULL, t, D);
+        for (int64_t i = 0; i < D; i++) t[i] = ACT_LOAD(v, h * D + i);
+        FN(store_head)(vdst + h * D, KV_SCALED ? vs + slot * Hkv + h : NULL, t, D);
+    }
+    if (t != tmp) free(t);
 }
 
 /* A decode-only layer step after the QKV projection, per request b: rotate q and k of row b
@@ -61,61 +137,40 @@ void ENTRY(rsgl_decode_attention)(
    attend as rsgl_decode_attention. The rotated q and k are rounded to the activation dtype
    first, as the eager rotary's output is. Request b's own key is among those it reads
    (req_to_token already maps position seq_lens[b] - 1 to loc[b]); other requests never
-   read row loc[b]. ks / vs: the int8 cache's scales ([slots, Hkv], stored too), else NULL. */
+   read row loc[b]. ks / vs: the int8 cache's scales ([slots, Hkv], stored too), else NULL.
+   Every request's keys are stored before any attends when its heads are split. */
 void ENTRY(rsgl_decode_layer)(
     const ACT_T* qkv, const float* cis, const int64_t* loc, KV_T* kb, KV_T* vb, float* ks,
     float* vs, const int32_t* req_to_token, int64_t r2t_stride, const int64_t* req_slots,
     const int64_t* seq_lens, ACT_T* out, int64_t B, int64_t H, int64_t Hkv, int64_t D,
     float scale, int nthreads) {
-    const int64_t row = Hkv * D;
     const int64_t width = (H + 2 * Hkv) * D;
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-    for (int64_t b = 0; b < B; b++) {
-        const int64_t len = seq_lens[b];
-        const ACT_T* x = qkv + b * width;
-        const float* cs = cis + b * D;
-        const int64_t scratch = H * D + len * H + ATTEND_TMP(H, Hkv, D) + ACT_TMP(H, D);
-        float* q = (float*)malloc(sizeof(float) * (size_t)scratch);
-        float* sc = q + H * D;
-        float* tmp = sc + len * H;
-#if ACT_BF16
-        float* of = tmp + ATTEND_TMP(H, Hkv, D);
-#else
-        float* of = out + b * H * D;
-#endif
-        KV_T* k = kb + loc[b] * row;
-        for (int64_t h = 0; h < H; h++) {
-            const ACT_T* xh = x + h * D;
-            float* dst = q + h * D;
-            for (int64_t i = 0; i < D / 2; i++) {
-                const float c = cs[2 * i], s = cs[2 * i + 1];
-                const float x0 = ACT_LOAD(xh, 2 * i), x1 = ACT_LOAD(xh, 2 * i + 1);
-                dst[2 * i] = ACT_ROUND(x0 * c - x1 * s);
-                dst[2 * i + 1] = ACT_ROUND(x0 * s + x1 * c);
-            }
+    const int64_t per = ENTRY(items_per_request)(B, Hkv, nthreads);
+    float* q = (float*)malloc(sizeof(float) * (size_t)(B * H * D));
+    if (!q) abort();
+    if (per == 1) {
+        #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+        for (int64_t b = 0; b < B; b++) {
+            ENTRY(rotate_store)(qkv + b * width, cis + b * D, loc[b], kb, vb, ks, vs,
+                                q + b * H * D, H, Hkv, D);
+            ENTRY(attend_item)(q + b * H * D, kb, vb, ks, vs,
+                               req_to_token + req_slots[b] * r2t_stride, seq_lens[b],
+                               out + b * H * D, H, Hkv, 0, Hkv, D, scale);
         }
-        /* Each kv head's rotated key, then its value, as floats in tmp, then stored. */
-        const ACT_T* v = x + (H + Hkv) * D;
-        KV_T* vdst = vb + loc[b] * row;
-        for (int64_t h = 0; h < Hkv; h++) {
-            const ACT_T* xh = x + (H + h) * D;
-            for (int64_t i = 0; i < D / 2; i++) {
-                const float c = cs[2 * i], s = cs[2 * i + 1];
-                const float x0 = ACT_LOAD(xh, 2 * i), x1 = ACT_LOAD(xh, 2 * i + 1);
-                tmp[2 * i] = ACT_ROUND(x0 * c - x1 * s);
-                tmp[2 * i + 1] = ACT_ROUND(x0 * s + x1 * c);
-            }
-            FN(store_head)(k + h * D, KV_SCALED ? ks + loc[b] * Hkv + h : NULL, tmp, D);
-            for (int64_t i = 0; i < D; i++) tmp[i] = ACT_LOAD(v, h * D + i);
-            FN(store_head)(vdst + h * D, KV_SCALED ? vs + loc[b] * Hkv + h : NULL, tmp, D);
+    } else {
+        for (int64_t b = 0; b < B; b++)
+            ENTRY(rotate_store)(qkv + b * width, cis + b * D, loc[b], kb, vb, ks, vs,
+                                q + b * H * D, H, Hkv, D);
+        #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+        for (int64_t i = 0; i < B * per; i++) {
+            int64_t j0, j1;
+            const int64_t b = ENTRY(item_heads)(i, per, Hkv, &j0, &j1);
+            ENTRY(attend_item)(q + b * H * D, kb, vb, ks, vs,
+                               req_to_token + req_slots[b] * r2t_stride, seq_lens[b],
+                               out + b * H * D, H, Hkv, j0, j1, D, scale);
         }
-        ATTEND(q, kb, vb, ks, vs, req_to_token + req_slots[b] * r2t_stride, len, H, Hkv, D,
-                       scale, sc, tmp, of);
-#if ACT_BF16
-        for (int64_t i = 0; i < H * D; i++) bf16_store(out + b * H * D, i, of[i]);
-#endif
-        free(q);
     }
+    free(q);
 }
 
 #undef ATTEND
