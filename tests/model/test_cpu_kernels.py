@@ -18,6 +18,7 @@ from rsgl.cpu_features import cpu_flags
 from rsgl.layers.attention.torch_native import TorchNativeAttnBackend
 from rsgl.layers.cpu_kernels import CSRC, CpuKernels, compile_kernels, load_cpu_kernels
 from rsgl.layers.rotary import apply_rotary
+from rsgl.model_executor.kv_cache import KVCache
 from rsgl.model_executor.model_runner import ModelRunner
 
 
@@ -286,8 +287,6 @@ def _fp8_probe_values(kv_dtype: torch.dtype) -> torch.Tensor:
 def test_8_bit_stores_write_the_bytes_torch_writes(
     kernels: CpuKernels, kv_dtype: torch.dtype
 ) -> None:
-    from rsgl.model_executor.kv_cache import KVCache
-
     if kv_dtype == torch.int8:
         gen = torch.Generator().manual_seed(3)
         rows = torch.randn(40, 1, 64, generator=gen) * torch.logspace(-6, 4, 40).view(-1, 1, 1)
@@ -325,6 +324,16 @@ def test_8_bit_stores_write_the_bytes_torch_writes(
         assert float(k.max()) == top and float(k.min()) == -top
 
 
+def _filled_cache(
+    gen: torch.Generator, kv_dtype: torch.dtype, kv_heads: int, dim: int, key_scale: float = 1.0
+) -> KVCache:
+    """A one-layer cache of 2048 slots holding random keys (times `key_scale`) and values."""
+    cache = KVCache(2048, 1, kv_heads, dim, kv_dtype, "cpu")
+    keys = torch.randn(2048, kv_heads, dim, generator=gen) * key_scale
+    cache.set_kv(0, torch.arange(2048), keys, torch.randn(2048, kv_heads, dim, generator=gen))
+    return cache
+
+
 @pytest.mark.parametrize("kv_dtype", EIGHT_BIT)
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("dim", "heads", "kv_heads"), [(64, 9, 3), (128, 4, 2), (40, 6, 2)])
@@ -336,19 +345,10 @@ def test_8_bit_caches_attend_over_their_stored_values(
     heads: int,
     kv_heads: int,
 ) -> None:
-    from rsgl.model_executor.kv_cache import KVCache
-
     gen = torch.Generator().manual_seed(dim + heads)
     lens, table, req_slots, seq_slots, loc = _scattered_requests(gen, 70, 2048)
     b = len(lens)
-    cache = KVCache(2048, 1, kv_heads, dim, kv_dtype, "cpu")
-    everything = torch.arange(2048)
-    cache.set_kv(
-        0,
-        everything,
-        torch.randn(2048, kv_heads, dim, generator=gen) * 3,
-        torch.randn(2048, kv_heads, dim, generator=gen),
-    )
+    cache = _filled_cache(gen, kv_dtype, kv_heads, dim, key_scale=3.0)
     qkv = (torch.randn(b, (heads + 2 * kv_heads) * dim, generator=gen) * 2).to(act)
     angles = torch.rand(b, 1, dim // 2, generator=gen) * 6
     cis = torch.polar(torch.ones_like(angles), angles)
@@ -410,15 +410,10 @@ def test_a_request_alone_gets_the_bits_it_gets_in_a_batch(
     # With fewer requests than threads a request's kv heads are split among the threads; in
     # a batch of 17 each request is one work item. A head's arithmetic must not depend on
     # which (4 threads: the split happens on any machine).
-    from rsgl.model_executor.kv_cache import KVCache
-
     gen = torch.Generator().manual_seed(dim + kv_heads)
-    lens, table, req_slots, seq_slots, loc = _scattered_requests(gen, 70, 2048)
+    lens, table, req_slots, _, loc = _scattered_requests(gen, 70, 2048)
     b = len(lens)
-    cache = KVCache(2048, 1, kv_heads, dim, kv_dtype, "cpu")
-    everything = torch.arange(2048)
-    keys, values = torch.randn(2, 2048, kv_heads, dim, generator=gen)
-    cache.set_kv(0, everything, keys, values)
+    cache = _filled_cache(gen, kv_dtype, kv_heads, dim)
     qkv = torch.randn(b, (heads + 2 * kv_heads) * dim, generator=gen).to(act)
     angles = torch.rand(b, 1, dim // 2, generator=gen) * 6
     cis = torch.view_as_real(torch.polar(torch.ones_like(angles), angles))
