@@ -88,7 +88,9 @@ async def one_stream(
 
 
 async def single(url: str, output_len: int, runs: int) -> dict[str, Any]:
-    async with httpx.AsyncClient(timeout=600) as client:
+    # No kept-alive connection (see `serving`).
+    no_reuse = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=600, limits=no_reuse) as client:
         await one_stream(client, url, 8)  # warm-up
         results = [await one_stream(client, url, output_len) for _ in range(runs)]
     # ignore_eos: every run generates output_len tokens, however they are split into chunks.
