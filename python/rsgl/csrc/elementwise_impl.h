@@ -140,8 +140,10 @@ void ACT_FN(rsgl_rotary)(ACT_T* x, const float* cis, int64_t rows, int64_t width
    the float32 logits give). */
 void ACT_FN(rsgl_argmax_rows)(const ACT_T* x, int64_t rows, int64_t cols, int64_t* out,
                               int nthreads) {
+    /* One thread per row: a single row (a batch-1 step's logits) opens no parallel region,
+       whose join would wait on a second thread with nothing to do. */
     #pragma omp parallel for schedule(static) num_threads(nthreads) \
-        if (rows * cols > PARALLEL_MIN_ELEMS)
+        if (rows > 1 && rows * cols > PARALLEL_MIN_ELEMS)
     for (int64_t r = 0; r < rows; r++) {
         const ACT_T* xr = x + r * cols;
         float best = -INFINITY;
