@@ -20,9 +20,9 @@
 #define ENTRY(name) FN_EXPAND(name, FN_EXPAND(f32, KV_SUFFIX))
 #endif
 
-/* Extra scratch floats per request for bfloat16 rows: the widened query and the float32
-   output before it is rounded. */
-#define ACT_TMP(H, D) (ACT_BF16 ? 2 * (H) * (D) : 0)
+/* Extra scratch floats per work item for bfloat16 rows: the float32 output before it is
+   rounded (the queries are widened once, for all requests). */
+#define ACT_TMP(H, D) (ACT_BF16 ? (H) * (D) : 0)
 
 /* Work items per request: one, or (fewer requests than threads) one per kv head, so that a
    batch of one still uses every thread. A head's arithmetic is the same whichever item it
