@@ -455,14 +455,9 @@ class LlamaForCausalLM(nn.Module):
         self._stack_key, self._stack = key, None
         kernels = attn.decode_kernel
         config = self.config
-        eligible = (
-            decode_stack.ENABLED
-            and kernels is not None
-            and self.tp is None
-            and not (config.qk_norm or config.qkv_bias or config.o_bias)
-            and attn.model_dtype == act
-        )
-        if not eligible or kernels is None:
+        if kernels is None or not decode_stack.ENABLED or self.tp is not None:
+            return None
+        if config.qk_norm or config.qkv_bias or config.o_bias or attn.model_dtype != act:
             return None
         parts: list[decode_stack.LayerParts] = []
         max_rows: list[int] = []
