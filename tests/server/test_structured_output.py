@@ -235,7 +235,8 @@ async def until(url: str, check: Callable[[dict[str, Any]], bool]) -> dict[str, 
     deadline = time.monotonic() + 300
     while True:
         stats = await asyncio.to_thread(server_stats, url)
-        if check(stats):
+        # Empty until the scheduler's first snapshot has arrived.
+        if stats and check(stats):
             return stats
         if time.monotonic() > deadline:
             pytest.fail(f"the server never got there: {stats}")
