@@ -66,6 +66,14 @@ def test_a_bad_value_is_an_argparse_error(argv: list[str], capsys: pytest.Captur
     assert "invalid" in capsys.readouterr().err
 
 
+def test_a_cpu_list_to_bind_must_parse_and_agree_with_the_threads():
+    assert EngineArgs(cpu_omp_threads_bind="0-1", cpu_threads=2).cpu_omp_threads_bind == "0-1"
+    with pytest.raises(ValueError, match="not a CPU"):
+        EngineArgs(cpu_omp_threads_bind="all")
+    with pytest.raises(ValueError, match="disagrees with cpu_omp_threads_bind '0-1' \\(2 CPUs\\)"):
+        EngineArgs(cpu_omp_threads_bind="0-1", cpu_threads=3)
+
+
 def test_the_engine_defaults_are_the_rust_cores():
     core = default_config()
     engine = EngineArgs()

@@ -15,6 +15,7 @@ from rsgl.cpu_features import (
     LEVELS,
     affinity_cpus,
     allows,
+    core_cpus,
     cpu_bf16_features,
     cpu_flags,
     default_cpu_threads,
@@ -22,6 +23,8 @@ from rsgl.cpu_features import (
     kernel_march,
     library_env,
     missing_flags,
+    omp_bind_cpus,
+    parse_cpu_list,
     physical_cores,
 )
 
@@ -69,6 +72,50 @@ def test_hyperthreads_of_one_core_count_once(tmp_path: Path) -> None:
     assert physical_cores(frozenset({0, 1}), tmp_path) == 2
     # Without topology files each logical CPU counts as a core.
     assert physical_cores(frozenset({8, 9, 10}), tmp_path) == 3
+
+
+def test_each_core_is_named_by_its_lowest_logical_cpu(tmp_path: Path) -> None:
+    # Two cores with two hyperthreads each, numbered as Linux does: siblings 0/2 and 1/3.
+    for cpu in range(4):
+        write_topology(tmp_path, cpu, package=0, core=cpu % 2)
+    assert core_cpus(frozenset(range(4)), tmp_path) == [0, 1]
+    assert core_cpus(frozenset({2, 3}), tmp_path) == [2, 3]
+    assert core_cpus(frozenset({1, 2}), tmp_path) == [1, 2]
+
+
+def test_cpu_lists_read_as_linux_writes_them() -> None:
+    assert parse_cpu_list("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
+    assert parse_cpu_list("5, 1") == [5, 1]
+    for bad, says in [
+        ("0-", "not a CPU"),
+        ("a", "not a CPU"),
+        ("3-1", "not a range"),
+        ("-1", "not a CPU"),
+        ("0-2,1", "twice"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            parse_cpu_list(bad)
+
+
+def test_auto_pins_one_thread_per_core_for_a_lone_model_process(tmp_path: Path) -> None:
+    for cpu in range(8):  # four cores, siblings c and c + 4
+        write_topology(tmp_path, cpu, package=0, core=cpu % 4)
+    every = frozenset(range(8))
+    assert omp_bind_cpus("auto", 4, 1, every, tmp_path) == [0, 1, 2, 3]
+    assert omp_bind_cpus("auto", 2, 1, every, tmp_path) == [0, 1]
+    assert omp_bind_cpus("auto", 2, 1, frozenset({5, 6, 7}), tmp_path) == [5, 6]
+    # More threads than cores, or ranks sharing the node: the OS places them.
+    assert omp_bind_cpus("auto", 5, 1, every, tmp_path) is None
+    assert omp_bind_cpus("auto", 2, 2, every, tmp_path) is None
+    assert omp_bind_cpus("nobind", 2, 1, every, tmp_path) is None
+
+
+def test_an_explicit_cpu_list_is_checked_against_the_affinity() -> None:
+    assert omp_bind_cpus("3,1", 8, 1, frozenset({1, 3})) == [3, 1]
+    with pytest.raises(ValueError, match=r"CPUs \[2\] outside"):
+        omp_bind_cpus("1-2", 2, 1, frozenset({0, 1}))
+    with pytest.raises(ValueError, match="one model process per node"):
+        omp_bind_cpus("0", 1, 2, frozenset({0, 1}))
 
 
 def test_the_default_thread_count_fits_the_affinity() -> None:

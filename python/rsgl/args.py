@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rsgl.cpu_features import parse_cpu_list
 from rsgl.reasoning import FORMATS as REASONING_PARSERS
 from rsgl.tool_calls.parsers import FORMATS as TOOL_CALL_PARSERS
 from rsgl.validation import RequestLimits
@@ -102,6 +103,12 @@ class EngineArgs:
         None,
         "torch intra-op threads for the model's CPU math (default: one per physical core of "
         "the scheduler's CPU affinity)",
+    )
+    cpu_omp_threads_bind: str = option(
+        "auto",
+        "CPUs the model's compute threads are pinned to, one each: auto (one per physical "
+        "core, where the node runs one model process), nobind (left to the OS), or a list "
+        "such as 0-3 (that many threads)",
     )
     kv_cache_dtype: str = option(
         "auto",
@@ -255,6 +262,13 @@ class EngineArgs:
         check_kv_cache_dtype(self.kv_cache_dtype)
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
+        if self.cpu_omp_threads_bind not in ("auto", "nobind"):
+            bound = len(parse_cpu_list(self.cpu_omp_threads_bind))
+            if self.cpu_threads not in (None, bound):
+                raise ValueError(
+                    f"cpu_threads {self.cpu_threads} disagrees with cpu_omp_threads_bind "
+                    f"{self.cpu_omp_threads_bind!r} ({bound} CPUs)"
+                )
         if self.load_format not in LOAD_FORMATS:
             expected = ", ".join(LOAD_FORMATS)
             raise ValueError(

@@ -19,10 +19,11 @@ import torch
 
 from rsgl._core import Scheduler
 from rsgl.args import EngineArgs
-from rsgl.cpu_features import default_cpu_threads
+from rsgl.cpu_features import default_cpu_threads, omp_bind_cpus
 from rsgl.grammar.backend import GrammarBackend, GrammarOptions
 from rsgl.grammar.compiler import GrammarCompiler
 from rsgl.grammar.registry import make_backend
+from rsgl.layers.cpu_kernels import load_cpu_kernels
 from rsgl.model_executor.executor import StepExecutor, on_compute_thread, run_on_compute_thread
 from rsgl.model_executor.kv_cache import KVCache, resolve_kv_cache_dtype
 from rsgl.model_executor.model_runner import ModelRunner
@@ -64,6 +65,9 @@ class ModelStack:
     cpu_threads: int
     # Every tensor-parallel rank's slice of the model; empty with tp_size 1.
     tp_shards: tuple[TPShard, ...] = ()
+    # The CPUs the compute threads are pinned to, one each (`--cpu-omp-threads-bind`);
+    # empty where the OS places them.
+    compute_cpus: tuple[int, ...] = ()
 
     def info(self) -> dict[str, Any]:
         """How the model runs, for get_server_info: its dtype and why, the threads, and the
@@ -72,6 +76,7 @@ class ModelStack:
             "dtype": self.dtype_choice.chosen,
             "dtype_choice": self.dtype_choice.to_dict(),
             "cpu_threads": self.cpu_threads,
+            "compute_cpus": list(self.compute_cpus),
             # How the weights are held (`--quantization` resolved: gguf or none).
             "quantization": getattr(getattr(self.runner, "loaded", None), "quantization", "none"),
             "tp_size": max(1, len(self.tp_shards)),
@@ -91,14 +96,23 @@ def build_stack(args: EngineArgs) -> ModelStack:
     """
     if torch.device(args.device).type == "cpu" and not on_compute_thread():
         return run_on_compute_thread(lambda: build_stack(args))
-    from rsgl.models.loader import load_model
-
     torch.manual_seed(args.seed)
     cpu_threads = args.cpu_threads or default_cpu_threads()
     if args.tp_size > 1 and not args.cpu_threads:
         cpu_threads = max(1, cpu_threads // (args.tp_size // args.nnodes))
     torch.set_num_threads(cpu_threads)
+    cpus = _bind_compute_threads(args, cpu_threads)
+    cpu_threads = len(cpus) or cpu_threads
     logger.info("torch intra-op threads: %d", cpu_threads)
+    stack = _load_stack(args, cpu_threads)
+    stack.compute_cpus = cpus
+    return stack
+
+
+def _load_stack(args: EngineArgs, cpu_threads: int) -> ModelStack:
+    """build_stack's model, tokenizer and core, once the threads are set."""
+    from rsgl.models.loader import load_model
+
     if args.load_format == "null":
         return _null_stack(args, cpu_threads)
     device = torch.device(args.device)
@@ -251,6 +265,27 @@ def _tp_stack(
         cpu_threads,
         tuple(shards),
     )
+
+
+def _bind_compute_threads(args: EngineArgs, threads: int) -> tuple[int, ...]:
+    """Pins this (compute) thread's OpenMP team on CPU as `--cpu-omp-threads-bind` says
+    (`omp_bind_cpus`; an explicit CPU list also sets the team's size); returns the CPUs,
+    or () where nothing was pinned."""
+    if torch.device(args.device).type != "cpu":
+        return ()
+    ranks = args.dp_size * args.tp_size // args.nnodes
+    cpus = omp_bind_cpus(args.cpu_omp_threads_bind, threads, ranks)
+    if not cpus:
+        return ()
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        logger.warning("compute threads not pinned: the CPU kernels are not available")
+        return ()
+    if not kernels.bind_omp_threads(cpus):
+        logger.warning("could not pin the compute threads to CPUs %s", cpus)
+        return ()
+    logger.info("compute threads pinned to CPUs %s", ",".join(map(str, cpus)))
+    return tuple(cpus)
 
 
 def _null_stack(args: EngineArgs, cpu_threads: int) -> ModelStack:

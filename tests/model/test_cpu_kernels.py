@@ -445,3 +445,50 @@ def test_a_request_alone_gets_the_bits_it_gets_in_a_batch(
             assert torch.equal(solo, attended[one])
     finally:
         torch.set_num_threads(threads)
+
+
+def _allowed_cpus(tid: int) -> str:
+    with open(f"/proc/self/task/{tid}/status", encoding="utf-8") as f:
+        return next(line.split()[1] for line in f if line.startswith("Cpus_allowed_list"))
+
+
+def _cpu_ticks(tid: int) -> int:
+    with open(f"/proc/self/task/{tid}/stat", encoding="utf-8") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # user + system
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux's per-thread affinity")
+def test_binding_pins_the_caller_and_its_workers_one_cpu_each(kernels: CpuKernels) -> None:
+    import os
+    import threading
+
+    # The affinity's last CPUs, the caller on the later one: not where threads start anyway.
+    cpus = sorted(os.sched_getaffinity(0))[-2:][::-1]
+    seen: dict[str, object] = {}
+
+    def on_a_fresh_thread() -> None:  # a compute thread of its own, as the engine's
+        tid = threading.get_native_id()
+        before = set(os.listdir("/proc/self/task"))
+        seen["bound"] = kernels.bind_omp_threads(cpus)
+        seen["threads"] = torch.get_num_threads()
+        others = {int(t) for t in set(os.listdir("/proc/self/task")) - before}
+        ticks = {t: _cpu_ticks(t) for t in others}
+        x = torch.randn(1024, 1024)
+        for _ in range(20):  # a later team, torch's own: its workers are those that worked
+            x @ x
+        seen["caller"] = _allowed_cpus(tid)
+        seen["workers"] = sorted(_allowed_cpus(t) for t in others if _cpu_ticks(t) > ticks[t])
+
+    threads = torch.get_num_threads()
+    try:
+        worker = threading.Thread(target=on_a_fresh_thread)
+        worker.start()
+        worker.join()
+    finally:
+        torch.set_num_threads(threads)
+    assert seen["bound"] is True and seen["threads"] == len(cpus)
+    assert seen["caller"] == str(cpus[0])
+    assert seen["workers"] == sorted(str(c) for c in cpus[1:])
+    with pytest.raises(ValueError, match="no CPUs"):
+        kernels.bind_omp_threads([])

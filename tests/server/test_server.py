@@ -18,6 +18,8 @@ import pytest
 from launcher import launch, stop
 from prometheus_client.parser import text_string_to_metric_families
 
+from rsgl.cpu_features import affinity_cpus, core_cpus
+
 KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -77,6 +79,12 @@ def test_server_info_reports_the_dtype_choice_and_threads(server: str) -> None:
     assert info["dtype_choice"]["chosen"] == "float32"
     assert info["dtype_choice"]["requested"] == "float32"
     assert info["cpu_threads"] >= 1
+    # One model process (no --cpu-threads, auto binding): a thread per core, each pinned to
+    # its own core's first CPU, where the cores are enough (this process shares the
+    # server's affinity).
+    cores = core_cpus(affinity_cpus())
+    expected = cores[: info["cpu_threads"]] if info["cpu_threads"] <= len(cores) else []
+    assert info["compute_cpus"] == expected
 
 
 def test_chat_stream_and_not_agree(client: openai.OpenAI) -> None:

@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 # The C sources, shipped in the package: compiled together into one shared library.
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
-_SOURCES = ("elementwise.c", "attention.c", "quant.c", "decode_stack.c")
+_SOURCES = ("elementwise.c", "attention.c", "quant.c", "decode_stack.c", "affinity.c")
 
 # Kernel name suffix of each activation (model) dtype.
 _ACT_SUFFIXES: dict[torch.dtype, str] = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -244,6 +244,8 @@ class CpuKernels:
         self._decode_stack.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64]
         self._decode_stack.argtypes += [ptr, ptr, i32]
         self._decode_stack.restype = ctypes.c_int
+        self._bind = lib.rsgl_bind_omp_threads
+        self._bind.argtypes, self._bind.restype = [ptr, i32], ctypes.c_int
         isa = lib.rsgl_kernel_isa
         isa.argtypes, isa.restype = [], ctypes.c_char_p
         # The instruction sets the kernels were compiled for (which of their paths run).
@@ -471,6 +473,16 @@ class CpuKernels:
         self._rotary[act](
             qkv.data_ptr(), cis.data_ptr(), rows, width, heads, head_dim, torch.get_num_threads()
         )
+
+    def bind_omp_threads(self, cpus: list[int]) -> bool:
+        """Pins the calling thread's OpenMP team (torch's intra-op threads, which these
+        kernels share) to `cpus`, thread i to cpus[i]: the caller to cpus[0]. Sets torch's
+        intra-op threads to len(cpus). False when some thread could not be pinned."""
+        if not cpus:
+            raise ValueError("bind_omp_threads: no CPUs")
+        torch.set_num_threads(len(cpus))
+        array = (ctypes.c_int * len(cpus))(*cpus)
+        return int(self._bind(array, len(cpus))) == 0
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         """`x.argmax(dim=-1)` for x [rows, cols] float32 or bfloat16 (int64 indices; the
