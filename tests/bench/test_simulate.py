@@ -1,7 +1,9 @@
 """`rsgl bench simulate`: the simulator makes the server's scheduling decisions (the real
 loop over the null runner plans the same steps for the same arrivals), virtual times follow
 the cost model, the cost models price shapes as their inputs say, replicas sit behind the
-real dispatcher, and the capacity search finds the rate where the SLO breaks."""
+real dispatcher, the capacity search finds the rate where the SLO breaks (under a
+concurrency cap, where the client stops keeping up), and the validation runs the real
+client and the simulation under the same cap."""
 
 from __future__ import annotations
 
@@ -14,7 +16,15 @@ import numpy as np
 import pytest
 
 from rsgl.args import EngineArgs
-from rsgl.bench.sim.capacity import find_capacity, parse_slo, slo_holds
+from rsgl.bench import serving
+from rsgl.bench.sim import validate
+from rsgl.bench.sim.capacity import (
+    MIN_KEEP_UP_RATIO,
+    find_capacity,
+    keeps_up,
+    parse_slo,
+    slo_holds,
+)
 from rsgl.bench.sim.cluster import Deployment, Layout
 from rsgl.bench.sim.cost import (
     FixedCost,
@@ -242,6 +252,12 @@ def test_max_concurrency_holds_arrivals_client_side() -> None:
     assert capped["mean_e2e_ms"] < free["mean_e2e_ms"]
     assert capped["duration_s"] > free["duration_s"]
     assert capped["concurrency"] <= 6 < free["concurrency"]
+    # The client-side wait is sending minus arriving; of a burst at t = 0, only the first
+    # six were sent by the last arrival.
+    assert capped["mean_client_wait_ms"] == pytest.approx(sim.sent.mean() * 1000, abs=1e-3)
+    assert capped["p99_client_wait_ms"] > capped["median_client_wait_ms"] > 0
+    assert capped["keep_up_ratio"] == 6 / len(requests)
+    assert "keep_up_ratio" not in free and "p99_client_wait_ms" not in free
 
 
 def test_the_linear_fit_recovers_its_coefficients(tmp_path: Path) -> None:
@@ -306,6 +322,37 @@ def test_the_capacity_search_finds_where_the_slo_breaks() -> None:
     assert two.best_rate is not None and two.best_rate > best
 
 
+def test_under_a_concurrency_cap_the_capacity_is_where_the_client_stops_keeping_up() -> None:
+    # Every step costs 20 ms whatever its batch, so without a cap TTFT stays near two steps
+    # until a prefill waits behind others; with four in flight a request takes at least 16
+    # steps (prefill and 15 decodes: 0.32 s), the four finish at most 12.5 req/s, and past
+    # that the arrivals queue client-side while TTFT (counted from sending) stays low.
+    slo = parse_slo("ttft_p99<100ms")
+    config = _config()
+    dep = Deployment(EngineArgs(max_total_tokens=20000), config, fixed_step_s=0.02)
+    spec = WorkloadSpec(num_prompts=150, random_input_len=64, random_output_len=16)
+    free = find_capacity(dep, spec, slo, Layout(1, 1), duration_s=None, tolerance=0.1)
+    capped = find_capacity(
+        dep, spec, slo, Layout(1, 1), duration_s=None, tolerance=0.1, max_concurrency=4
+    )
+    assert free.best_rate is not None and capped.best_rate is not None
+    # The 5% of slack lets a rate a little above 12.5 req/s hold over 150 requests (four
+    # sent at once, then one per finish: 0.95 x 150 <= 4 + 12.5 x 150 / rate).
+    assert 5 < capped.best_rate < 12.5 * 150 / (MIN_KEEP_UP_RATIO * 150 - 4)
+    assert free.best_rate > 100 * capped.best_rate
+    assert all(p["max_concurrency"] is None and keeps_up(p) for p in free.points)
+    broken = [p for p in capped.points if not slo_holds(p, slo)]
+    assert broken
+    for p in broken:
+        # Refused for throughput alone: every request served, TTFT p99 well in the SLO.
+        assert p["failures"] == 0 and p["p99_ttft_ms"] < 100
+        assert p["keep_up_ratio"] < MIN_KEEP_UP_RATIO
+        assert p["p99_client_wait_ms"] > 1000
+    held = [p for p in capped.points if slo_holds(p, slo)]
+    assert max(p["request_rate"] for p in held) == capped.best_rate
+    assert all(p["max_concurrency"] == 4 for p in capped.points)
+
+
 def test_a_trace_workload_replays_the_shared_trace() -> None:
     if not GSP_TRACE.is_file():
         pytest.skip(f"no trace at {GSP_TRACE} (the shared folder sits beside the repository)")
@@ -358,6 +405,92 @@ def test_the_capacity_report_has_plots_and_tables(tmp_path: Path) -> None:
     record = json.loads((out / "capacity.json").read_text())
     best = {x["layout"]: x["best_rate"] for x in record["layouts"]}
     assert best["2x1"] > best["1x1"] > 0
+
+
+def test_the_capacity_report_states_the_cap_and_the_keep_up_threshold(tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    argv = ["--model-path", str(LLAMA3_8B), "--fixed-step-ms", "20", "--num-prompts", "60"]
+    argv += ["--random-output-len", "16", "--max-total-tokens", "20000", "--max-concurrency"]
+    argv += ["4", "--slo", "ttft_p99<100ms", "--report-dir", str(out)]
+    assert main(argv) == 0
+    record = json.loads((out / "capacity.json").read_text())
+    assert record["max_concurrency"] == 4
+    assert record["min_keep_up_ratio"] == MIN_KEEP_UP_RATIO
+    [layout] = record["layouts"]
+    assert all(p["max_concurrency"] == 4 for p in layout["points"])
+    assert 0 < layout["best_rate"] < 20
+    page = (out / "capacity.html").read_text()
+    assert "at most 4 requests in flight" in page
+    assert "<th>keep_up_ratio</th>" in page and "<th>p99_client_wait_ms</th>" in page
+    assert (out / "capacity.png").read_bytes().startswith(b"\x89PNG")
+    assert main([*argv, "--max-concurrency", "0"]) == 2
+
+
+class _WordTokenizer:
+    """A stand-in HF tokenizer for the real client's datasets: token i is the word " w{i}"."""
+
+    all_special_ids = (0,)
+
+    def __len__(self) -> int:
+        return 500
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(f" w{i}" for i in ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [int(word[1:]) for word in text.split()]
+
+
+class _ExitedServer:
+    def terminate(self) -> None:
+        pass
+
+    def wait(self, timeout: float) -> int:
+        return 0
+
+
+def test_the_validation_runs_both_sides_under_the_same_cap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The real path with the server and the network taken out: the client's runs are
+    # recorded instead of sent, each answered with one plausible result per request.
+    sent: list[serving.BenchConfig] = []
+
+    async def run_benchmark(
+        config: serving.BenchConfig, requests: list[serving.BenchRequest]
+    ) -> serving.BenchRun:
+        sent.append(config)
+        results = [
+            serving.RequestResult(True, r.prompt_len, r.output_len, 0.05, 0.5, [0.03])
+            for r in requests
+        ]
+        return serving.BenchRun(results, 2.0)
+
+    monkeypatch.setattr(serving, "run_benchmark", run_benchmark)
+    monkeypatch.setattr(serving, "load_tokenizer", lambda path: _WordTokenizer())
+    monkeypatch.setattr(validate, "start_server", lambda *a: (_ExitedServer(), "http://x"))
+    monkeypatch.setattr("httpx.post", lambda *a, **k: None)
+    cost = tmp_path / "cost.json"
+    cost.write_text(json.dumps(LinearCost((2e-3, 1e-5, 4e-6, 3e-9, 5e-5)).to_json()))
+    argv = ["--model-path", str(LLAMA3_8B), "--cost-model", str(cost), "--validate"]
+    argv += ["--validate-scale", "0.05", "--max-total-tokens", "20000"]
+    for cap in (None, 2):
+        sent.clear()
+        out = tmp_path / f"rows-{cap}.jsonl"
+        flags = [] if cap is None else ["--max-concurrency", str(cap)]
+        assert main([*argv, *flags, "--output-file", str(out)]) == 0
+        rows = [json.loads(line) for line in out.read_text().splitlines()]
+        assert len(rows) == len(sent) == 6  # three workloads at two rates
+        assert [c.max_concurrency for c in sent] == [cap] * 6
+        assert [c.request_rate for c in sent] == [row["rate"] for row in rows]
+        for row in rows:
+            assert row["max_concurrency"] == row["predicted"]["max_concurrency"] == cap
+            if cap is not None:
+                assert row["predicted"]["concurrency"] <= cap
+                assert "keep_up_ratio" in row["predicted"]
+        table = capsys.readouterr().out
+        cap_text = "none" if cap is None else f"{cap} requests in flight"
+        assert f"max concurrency: {cap_text}" in table
 
 
 def test_the_linear_fit_never_makes_a_cost_negative() -> None:

@@ -19,7 +19,10 @@ timestamps); `--duration` simulates that many seconds of traffic; `--max-concurr
 holds an arrival client-side while N requests are in flight, as `rsgl bench serving`'s
 does (its latencies count from when it is sent). The report has the fields
 of `rsgl bench serving`'s (virtual times), plus retractions, steps, the simulator's events
-and events per second of wall time.
+and events per second of wall time (and, under a cap, the client-side wait). `--slo` and
+`--validate` honour `--max-concurrency` too: a capped rate holds only if the client also
+keeps up with it (`rsgl.bench.sim.capacity`), and the real runs and the predictions of the
+validation both run under the cap.
 """
 
 from __future__ import annotations
@@ -137,6 +140,9 @@ def main(argv: list[str]) -> int:
     except (ValueError, OSError) as exc:
         print(f"rsgl bench simulate: {exc}", file=sys.stderr)
         return 2
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        print("rsgl bench simulate: --max-concurrency must be at least 1", file=sys.stderr)
+        return 2
     spec = workload_spec(args, dep.config.vocab_size)
     if args.validate:
         from rsgl.bench.sim.validate import validate_main
@@ -147,12 +153,19 @@ def main(argv: list[str]) -> int:
 
         layouts = [Layout.parse(x) for x in args.layouts.split(",")] if args.layouts else []
         layouts = layouts or [Layout(dep.args.dp_size, dep.args.tp_size)]
-        return capacity_main(dep, spec, args.slo, layouts, Path(args.report_dir), args.duration)
-    if args.max_concurrency is not None and args.max_concurrency < 1:
-        print("rsgl bench simulate: --max-concurrency must be at least 1", file=sys.stderr)
-        return 2
+        report_dir = Path(args.report_dir)
+        return capacity_main(
+            dep, spec, args.slo, layouts, report_dir, args.duration, args.max_concurrency
+        )
     record = dep.simulate(spec, args.request_rate, args.duration, args.max_concurrency)
     print(format_table(record), file=sys.stderr)
+    if args.max_concurrency is not None:
+        print(
+            f"max concurrency {args.max_concurrency}: client-side wait "
+            f"median {record['median_client_wait_ms']} ms, p99 {record['p99_client_wait_ms']} "
+            f"ms; {record['keep_up_ratio']:.1%} of the requests sent by the last arrival",
+            file=sys.stderr,
+        )
     print(
         f"simulated {record['events']} events in {record['sim_wall_s']} s "
         f"({record['events_per_s']} events/s, {record['steps_per_s']} steps/s)",

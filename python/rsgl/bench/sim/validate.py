@@ -8,6 +8,8 @@ cost model given (`--cost-model`, from `--calibrate` on this machine). One table
 throughput, median TTFT and median ITL, measured and predicted, with the relative error.
 Real runs take minutes each at `--validate-scale 1`: run it on a quiet machine.
 `--validate-scale` multiplies the number of prompts (a small one checks the plumbing).
+`--max-concurrency N` caps both sides alike: the real client holds arrivals while N
+requests are in flight, the simulation does the same, and the table says so.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import json
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +37,10 @@ METRICS = (
     ("median_ttft_ms", "TTFT p50 ms"),
     ("median_itl_ms", "ITL p50 ms"),
 )
+
+# One run of a workload at a rate (req/s) under a concurrency cap: `rsgl bench serving`'s
+# summary of it.
+Measure = Callable[[WorkloadSpec, float, int | None], dict[str, Any]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,20 +117,54 @@ def bench_requests(tokenizer: Any, spec: WorkloadSpec) -> list[serving.BenchRequ
     )
 
 
-def measure(url: str, tokenizer: Any, spec: WorkloadSpec, rate: float) -> dict[str, Any]:
+def measure(
+    url: str, tokenizer: Any, spec: WorkloadSpec, rate: float, max_concurrency: int | None
+) -> dict[str, Any]:
     """One real run against the server at `url` (its prefix cache flushed first)."""
     import httpx
 
     httpx.post(f"{url}/flush_cache", timeout=30)
-    config = serving.BenchConfig(base_url=url, backend="rsgl", request_rate=rate, seed=spec.seed)
+    config = serving.BenchConfig(
+        base_url=url,
+        backend="rsgl",
+        request_rate=rate,
+        max_concurrency=max_concurrency,
+        seed=spec.seed,
+    )
     run = asyncio.run(serving.run_benchmark(config, bench_requests(tokenizer, spec)))
     return serving.summarize(run)
 
 
-def format_rows(rows: list[dict[str, Any]]) -> str:
-    """One table: a line per workload x rate x metric, measured, predicted, error."""
+def compare(
+    dep: Deployment, measure: Measure, scale: float, seed: int, max_concurrency: int | None
+) -> list[dict[str, Any]]:
+    """Every case at both its rates, measured and predicted under the same cap: one row
+    each (also printed to stderr as it comes)."""
+    rows = []
+    for case in cases(scale, seed, dep.config.vocab_size):
+        for rate in case.rates:
+            measured = measure(case.spec, rate, max_concurrency)
+            predicted = dep.simulate(case.spec, rate, max_concurrency=max_concurrency)
+            row = {
+                "workload": case.name,
+                "rate": rate,
+                "max_concurrency": max_concurrency,
+                "num_prompts": predicted["num_prompts"],
+                "measured": measured,
+                "predicted": predicted,
+            }
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr)
+    return rows
+
+
+def format_rows(rows: list[dict[str, Any]], max_concurrency: int | None = None) -> str:
+    """One table: a line per workload x rate x metric, measured, predicted, error, under a
+    title that states the concurrency cap both sides ran under."""
+    cap = "none" if max_concurrency is None else f"{max_concurrency} requests in flight"
     header = f"{'workload':<12}{'req/s':>7}  {'metric':<12}{'measured':>11}{'predicted':>11}"
-    lines = [header + f"{'error':>9}", "-" * (len(header) + 9)]
+    title = f"measured vs predicted, max concurrency: {cap}"
+    lines = [title, header + f"{'error':>9}", "-" * (len(header) + 9)]
     for row in rows:
         for key, label in METRICS:
             m, p = row["measured"][key], row["predicted"][key]
@@ -141,27 +183,16 @@ def validate_main(args: argparse.Namespace, dep: Deployment) -> int:
         )
         return 2
     tokenizer = serving.load_tokenizer(dep.args.tokenizer_path or dep.args.model_path)
-    rows = []
+    cap = args.max_concurrency
     with tempfile.TemporaryDirectory() as tmp:
         proc, url = start_server(Path(tmp) / "server.log", *server_flags(dep.args))
         try:
-            for case in cases(args.validate_scale, args.seed, dep.config.vocab_size):
-                for rate in case.rates:
-                    measured = measure(url, tokenizer, case.spec, rate)
-                    predicted = dep.simulate(case.spec, rate)
-                    row = {
-                        "workload": case.name,
-                        "rate": rate,
-                        "num_prompts": predicted["num_prompts"],
-                        "measured": measured,
-                        "predicted": predicted,
-                    }
-                    rows.append(row)
-                    print(json.dumps(row), file=sys.stderr)
+            real = functools.partial(measure, url, tokenizer)
+            rows = compare(dep, real, args.validate_scale, args.seed, cap)
         finally:
             proc.terminate()
             proc.wait(60)
-    print(format_rows(rows))
+    print(format_rows(rows, cap))
     if args.output_file:
         with open(args.output_file, "a", encoding="utf-8") as f:
             for row in rows:
