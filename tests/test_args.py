@@ -72,6 +72,8 @@ def test_a_cpu_list_to_bind_must_parse_and_agree_with_the_threads():
         EngineArgs(cpu_omp_threads_bind="all")
     with pytest.raises(ValueError, match="disagrees with cpu_omp_threads_bind '0-1' \\(2 CPUs\\)"):
         EngineArgs(cpu_omp_threads_bind="0-1", cpu_threads=3)
+    with pytest.raises(ValueError, match="one model process per node"):
+        EngineArgs(cpu_omp_threads_bind="0-1", dp_size=2)
 
 
 def test_the_engine_defaults_are_the_rust_cores():

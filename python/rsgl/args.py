@@ -269,6 +269,11 @@ class EngineArgs:
                     f"cpu_threads {self.cpu_threads} disagrees with cpu_omp_threads_bind "
                     f"{self.cpu_omp_threads_bind!r} ({bound} CPUs)"
                 )
+            if self.dp_size * self.tp_size // max(self.nnodes, 1) > 1:
+                raise ValueError(
+                    "cpu_omp_threads_bind takes a CPU list for one model process per node "
+                    "only; with data- or tensor-parallel ranks use auto or nobind"
+                )
         if self.load_format not in LOAD_FORMATS:
             expected = ", ".join(LOAD_FORMATS)
             raise ValueError(

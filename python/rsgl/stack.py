@@ -283,6 +283,7 @@ def _bind_compute_threads(args: EngineArgs, threads: int) -> tuple[int, ...]:
         return ()
     if not kernels.bind_omp_threads(cpus):
         logger.warning("could not pin the compute threads to CPUs %s", cpus)
+        torch.set_num_threads(threads)
         return ()
     logger.info("compute threads pinned to CPUs %s", ",".join(map(str, cpus)))
     return tuple(cpus)
