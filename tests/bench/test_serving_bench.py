@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from word_tokenizer import WordTokenizer
 
 from rsgl.bench import serving
 from rsgl.bench.serving import (
@@ -257,21 +258,6 @@ def test_poisson_arrivals_spread_requests_over_time(server: FakeServer) -> None:
     assert all(r.success for r in run.results)
     # 19 exponential gaps of mean 10 ms: comfortably above the all-at-once time.
     assert run.duration > 0.08
-
-
-class WordTokenizer:
-    """A stand-in HF tokenizer: token i is the word " w{i}"; ids 0-2 are special."""
-
-    all_special_ids = (0, 1, 2)
-
-    def __len__(self) -> int:
-        return 500
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(f" w{i}" for i in ids)
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [int(word[1:]) for word in text.split()]
 
 
 def test_datasets_have_exact_lengths_and_shared_prefixes() -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from word_tokenizer import WordTokenizer
 
 from rsgl.args import EngineArgs
 from rsgl.bench import serving
@@ -426,21 +427,6 @@ def test_the_capacity_report_states_the_cap_and_the_keep_up_threshold(tmp_path: 
     assert main([*argv, "--max-concurrency", "0"]) == 2
 
 
-class _WordTokenizer:
-    """A stand-in HF tokenizer for the real client's datasets: token i is the word " w{i}"."""
-
-    all_special_ids = (0,)
-
-    def __len__(self) -> int:
-        return 500
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(f" w{i}" for i in ids)
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [int(word[1:]) for word in text.split()]
-
-
 class _ExitedServer:
     def terminate(self) -> None:
         pass
@@ -467,7 +453,7 @@ def test_the_validation_runs_both_sides_under_the_same_cap(
         return serving.BenchRun(results, 2.0)
 
     monkeypatch.setattr(serving, "run_benchmark", run_benchmark)
-    monkeypatch.setattr(serving, "load_tokenizer", lambda path: _WordTokenizer())
+    monkeypatch.setattr(serving, "load_tokenizer", lambda path: WordTokenizer())
     monkeypatch.setattr(validate, "start_server", lambda *a: (_ExitedServer(), "http://x"))
     monkeypatch.setattr("httpx.post", lambda *a, **k: None)
     cost = tmp_path / "cost.json"
