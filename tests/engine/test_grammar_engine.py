@@ -14,7 +14,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from rsgl.bench.grammar import load_corpus, pathological_schema
+from rsgl.bench.grammar import load_corpus, pathological_regex
 from rsgl.engine import Engine
 from rsgl.errors import InvalidRequest
 
@@ -135,13 +135,13 @@ def test_two_constraints_on_one_request_are_refused_at_the_door() -> None:
 
 
 def test_a_compile_past_its_timeout_fails_the_request() -> None:
-    # xgrammar (0.2.8, as pinned) compiles each bounded string of this schema for about a
-    # second: far past the timeout, however soon the start-up prewarm built the backend.
-    schema = json.dumps(pathological_schema(3, "timeout_"))
+    # xgrammar compiles each bounded run of this regex for most of a second: far past the
+    # timeout, however soon the start-up prewarm built the backend.
+    regex = pathological_regex(3, "timeout")
     with Engine(
         load_format="null", grammar_backend="xgrammar", grammar_compile_timeout=0.2
     ) as engine:
-        out = engine.generate("hi", {"max_new_tokens": 4, "json_schema": schema})
+        out = engine.generate("hi", {"max_new_tokens": 4, "regex": regex})
         engine.check_integrity()
     reason = out["meta_info"]["finish_reason"]
     assert reason["type"] == "abort" and reason["status_code"] == 400
