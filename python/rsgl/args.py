@@ -256,6 +256,12 @@ class EngineArgs:
     dist_init_addr: str | None = option(
         None, "host:port of node 0 for torch.distributed's rendezvous (needed when nnodes > 1)"
     )
+    step_log: str | None = option(
+        None,
+        "append one JSON line per step to this file: its shape (rows, tokens, extends, KV "
+        "read, cached prefix, attention pairs), the data-parallel rank and its seconds in "
+        "the loop (`rsgl bench simulate --calibrate --calibrate-server` fits them)",
+    )
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype)

@@ -406,9 +406,14 @@ def device_pool_tokens(
 
 
 def build_loop(
-    stack: ModelStack, args: EngineArgs, emit: Emit, executor: StepExecutor | None = None
+    stack: ModelStack,
+    args: EngineArgs,
+    emit: Emit,
+    executor: StepExecutor | None = None,
+    dp_rank: int = 0,
 ) -> SchedulerLoop:
-    """The scheduling loop over `stack`, with its grammar compiler (`--grammar-backend`)."""
+    """The scheduling loop over `stack` (data-parallel rank `dp_rank`), with its grammar
+    compiler (`--grammar-backend`)."""
     grammar, refusal = _grammar_compiler(stack, args)
     return SchedulerLoop(
         stack.core,
@@ -421,6 +426,8 @@ def build_loop(
         grammar_compile_timeout=args.grammar_compile_timeout,
         reasoning_end_ids=reasoning_end_ids(stack.tokenizer, args.reasoning_parser),
         adaptive_drafts=not args.disable_speculative_adaptive,
+        step_log=args.step_log,
+        dp_rank=dp_rank,
     )
 
 

@@ -31,8 +31,9 @@ from rsgl.bench.sim.cost import (
     FixedCost,
     HardwareSpec,
     LinearCost,
-    StepShape,
+    TableCost,
     load_cost_model,
+    min_step_seconds,
 )
 from rsgl.bench.sim.driver import Simulation
 from rsgl.bench.sim.workload import Workload, WorkloadSpec, make_workload, read_trace
@@ -40,6 +41,7 @@ from rsgl.bench.simulate import main
 from rsgl.model_executor.null_runner import NullRunner
 from rsgl.models.config import ModelConfig
 from rsgl.scheduler.loop import SchedulerLoop
+from rsgl.scheduler.step_shape import StepShape
 from rsgl.server.dispatcher import Dispatcher
 from rsgl.stack import build_core
 
@@ -273,6 +275,112 @@ def test_the_linear_fit_recovers_its_coefficients(tmp_path: Path) -> None:
     path = tmp_path / "cost.json"
     path.write_text(json.dumps(fitted.to_json()))
     assert load_cost_model(path).coefficients == fitted.coefficients
+
+
+def _decode_truth(batch: float, per_row: float) -> float:
+    """A decode step's seconds that no line fits: cheap low-bit rows up to 4, a dense
+    GEMM's fixed cost above, attention growing with the KV read."""
+    rows = 2e-3 * batch if batch <= 4 else 2e-2 + 5e-4 * batch
+    return 4e-3 + rows + 1e-6 * batch * per_row
+
+
+def _calibration_steps(
+    batches: list[int], contexts: list[int], prefill: LinearCost
+) -> tuple[list[StepShape], list[float]]:
+    """What `--calibrate` times at each grid point: a prefill of the batch's prompts, then
+    four decode steps whose context grows by a token per row each."""
+    shapes, seconds = [], []
+    for c in contexts:
+        for b in batches:
+            extend = StepShape(b, b * c, b, b * c, 0, b * c * (c + 1) / 2)
+            shapes.append(extend)
+            seconds.append(prefill.step_seconds(extend))
+            for k in range(1, 5):
+                shapes.append(StepShape(b, b, 0, b * (c + k), 0, float(b * (c + k))))
+                seconds.append(_decode_truth(b, c + k))
+    return shapes, seconds
+
+
+def test_the_calibrated_table_reads_decode_steps_off_its_grid(tmp_path: Path) -> None:
+    batches, contexts = [1, 2, 4, 8, 16], [64, 256, 1024]
+    prefill = LinearCost((3e-3, 1e-4, 5e-5, 2e-9, 1e-3))
+    shapes, seconds = _calibration_steps(batches, contexts, prefill)
+    # Noise: the first batch-8 step at 256 timed far too fast, and every batch-16 step at
+    # 64 during a lull, as fast as batch 2's.
+    dip = next(i for i, s in enumerate(shapes) if s.batch_size == 8 and s.context_tokens == 8 * 257)
+    seconds[dip] = 1e-4
+    lull = [i for i, s in enumerate(shapes) if s.batch_size == 16 and s.context_tokens < 16 * 100]
+    for i in lull:
+        if not shapes[i].num_extends:
+            seconds[i] = _decode_truth(2, shapes[i].context_tokens / 16)
+    # A decode step between grid batches (a server decodes the first requests while the
+    # others still prefill): left out.
+    shapes.append(StepShape(3, 3, 0, 3 * 66, 0, 3 * 66.0))
+    seconds.append(10.0)
+    table = TableCost.fit(shapes, seconds, batches, contexts, {"dtype": "bfloat16"})
+    assert table.batches == tuple(batches)
+    assert table.contexts == pytest.approx([c + 2.5 for c in contexts])
+
+    def decode(b: int, per_row: float) -> float:
+        return float(table.decode_seconds(np.array([b]), np.array([b * per_row]))[0])
+
+    # On the grid, the median of its steps (the one dip outvoted); the lull is lifted to
+    # the smaller batch's cost.
+    for b in batches:
+        for c in contexts:
+            truth = _decode_truth(8 if (b, c) == (16, 64) else b, c + 2.5)
+            assert decode(b, c + 2.5) == pytest.approx(truth, rel=1e-9)
+    # Between grid points linearly; a line through all of them is 25% off at batch 4.
+    assert decode(3, 66.5) == pytest.approx(
+        (_decode_truth(2, 66.5) + _decode_truth(4, 66.5)) / 2, rel=1e-9
+    )
+    assert decode(6, 66.5) == pytest.approx(
+        (_decode_truth(4, 66.5) + _decode_truth(8, 66.5)) / 2, rel=1e-9
+    )
+    line = LinearCost.fit(shapes, seconds)
+    assert abs(line.step_seconds(StepShape(4, 4, 0, 266, 0, 266.0)) / decode(4, 66.5) - 1) > 0.25
+    # Past the grid along its last segment; below it flat.
+    slope = (_decode_truth(16, 1026.5) - _decode_truth(8, 1026.5)) / 8
+    assert decode(32, 1026.5) == pytest.approx(_decode_truth(16, 1026.5) + 16 * slope)
+    assert decode(1, 10) == pytest.approx(_decode_truth(1, 66.5))
+    # Prefills by their own linear fit.
+    long_prefill = StepShape(2, 3000, 2, 3000, 500, 2.5e6)
+    assert table.step_seconds(long_prefill) == pytest.approx(prefill.step_seconds(long_prefill))
+    # Many decode steps at once, as one by one.
+    b = np.array([1, 3, 8, 40])
+    ctx = np.array([0, 3 * 700, 8 * 300, 40 * 2000])
+    at_once = table.decode_seconds(b, ctx)
+    one_by_one = [
+        table.step_seconds(StepShape(int(x), int(x), 0, int(y), 0, float(y)))
+        for x, y in zip(b, ctx, strict=True)
+    ]
+    assert at_once == pytest.approx(one_by_one)
+    # More rows or more context never costs less, whatever the grid's noise.
+    rng = np.random.default_rng(0)
+    rows = rng.integers(1, 64, 500)
+    per_row = rng.uniform(0, 3000, 500)
+    base = table.decode_seconds(rows, rows * per_row)
+    assert (table.decode_seconds(rows + 1, (rows + 1) * per_row) >= base).all()
+    assert (table.decode_seconds(rows, rows * (per_row + 50)) >= base).all()
+    assert min_step_seconds(table) <= base.min()
+    # Saved and loaded as the calibration wrote it; the engine's dtype sizes the pool.
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps(table.to_json()))
+    loaded = load_cost_model(path)
+    assert loaded == table
+    assert Deployment(EngineArgs(), _config(), calibrated=loaded).dtype == "bfloat16"
+
+
+def test_a_calibration_grid_with_holes_is_refused() -> None:
+    prefill = LinearCost((3e-3, 1e-4, 5e-5, 2e-9, 1e-3))
+    shapes, seconds = _calibration_steps([1, 8], [64, 256], prefill)
+    keep = [
+        i
+        for i, s in enumerate(shapes)
+        if s.num_extends or s.batch_size == 1 or s.context_tokens < 8 * 200
+    ]
+    with pytest.raises(ValueError, match=r"no steps at \(batch, context\) \[\(8, 256\)\]"):
+        TableCost.fit([shapes[i] for i in keep], [seconds[i] for i in keep], [1, 8], [64, 256])
 
 
 def test_the_roofline_prices_memory_compute_and_tensor_parallelism() -> None:

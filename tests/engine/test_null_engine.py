@@ -5,6 +5,8 @@ invisible to a request, or they are broken."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -192,3 +194,26 @@ def test_a_request_sent_while_another_decodes_shares_its_prompt(options: dict[st
         engine.check_integrity()
     assert len(head["output_ids"]) + sum(len(c["output_ids"]) for c in rest) == 200
     assert rest[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_step_log_has_every_step_with_its_shape(tmp_path: Path, overlap: bool) -> None:
+    log = tmp_path / "steps.jsonl"
+    prompts = [list(range(1000, 1000 + n)) for n in (5, 7, 9)]
+    params = {"max_new_tokens": 4, "ignore_eos": True}
+    with Engine(
+        load_format="null", step_log=str(log), disable_overlap_schedule=not overlap
+    ) as engine:
+        engine.generate(prompts, [params] * 3)
+        steps = engine._loop.steps
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(lines) == steps
+    assert all(line["dp_rank"] == 0 and line["seconds"] > 0 for line in lines)
+    # One prefill of the three prompts, then three decode steps of three rows each, their
+    # context growing by a token a row.
+    prefill, *decodes = lines
+    assert prefill["num_extends"] == 3 and prefill["new_tokens"] == 21
+    assert prefill["attention_pairs"] == sum(n * (n + 1) / 2 for n in (5, 7, 9))
+    assert [d["batch_size"] for d in decodes] == [3, 3, 3]
+    assert [d["context_tokens"] for d in decodes] == [24, 27, 30]
+    assert all(d["num_extends"] == 0 and d["new_tokens"] == 3 for d in decodes)

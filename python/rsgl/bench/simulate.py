@@ -69,8 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--calibrate", action="store_true", help="time this machine's model steps")
     m.add_argument("--calibrate-output", default="rsgl-cost-model.json")
     m.add_argument(
+        "--calibrate-server",
+        action="store_true",
+        help="--calibrate: time the steps of an rsgl serve streaming the grid's requests "
+        "(what serving pays on this machine), not the model alone in this process",
+    )
+    m.add_argument(
         "--calibrate-grid",
-        default="1,8,32,64:64,256,1024",
+        default="1,2,4,8,16,32,64:64,256,1024",
         help="decode batches:contexts (prefills are timed at batch x context)",
     )
     m.add_argument("--slo", default=None, help='capacity search, e.g. "ttft_p99<2s,itl_p99<100ms"')
@@ -111,13 +117,13 @@ def deployment(args: argparse.Namespace) -> Deployment:
     if sum(given) > 1:
         raise ValueError("give one of --hardware, --cost-model and --fixed-step-ms")
     fixed = None if args.fixed_step_ms is None else args.fixed_step_ms / 1000
-    linear = None if args.cost_model is None else load_cost_model(args.cost_model)
+    calibrated = None if args.cost_model is None else load_cost_model(args.cost_model)
     spec = None
     if not any(given):
         spec = HardwareSpec.load("h100")
     elif args.hardware is not None:
         spec = HardwareSpec.load(args.hardware)
-    return Deployment(engine, config, fixed_step_s=fixed, linear=linear, spec=spec)
+    return Deployment(engine, config, fixed_step_s=fixed, calibrated=calibrated, spec=spec)
 
 
 def _emit(record: dict[str, Any], output_file: str | None) -> None:

@@ -14,6 +14,8 @@ process (the Engine) or in the server's frontend process.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import queue
 import threading
@@ -38,6 +40,7 @@ from rsgl.model_executor.model_runner import StepOutput
 from rsgl.outputs import SpecCounts, TokenUpdate
 from rsgl.sampling_params import SamplingParams
 from rsgl.scheduler.fault_injection import FaultInjector, InjectedFault
+from rsgl.scheduler.step_shape import StepShape
 from rsgl.speculative.policy import DraftPolicy
 
 logger = logging.getLogger(__name__)
@@ -145,8 +148,14 @@ class SchedulerLoop:
         grammar_compile_timeout: float = 30.0,
         reasoning_end_ids: Sequence[int] | None = None,
         adaptive_drafts: bool = True,
+        step_log: str | None = None,
+        dp_rank: int = 0,
     ) -> None:
         self.core = core
+        # --step-log: each step's shape and seconds, a JSON line each (line-buffered, so a
+        # reader sees every finished step).
+        self._step_log = None if step_log is None else open(step_log, "a", buffering=1)  # noqa: SIM115 - closed by shutdown
+        self._dp_rank = dp_rank
         # Structured output: the compiler (None: constraints are refused with
         # `grammar_refusal`), and the requests waiting for their grammar.
         self.grammar = grammar
@@ -204,6 +213,9 @@ class SchedulerLoop:
         self._stream.shutdown()
         if self.grammar is not None:
             self.grammar.shutdown()
+        if self._step_log is not None:
+            self._step_log.close()
+            self._step_log = None
 
     def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
         """Runs `fn` on the loop thread and returns its result."""
@@ -650,14 +662,21 @@ class SchedulerLoop:
             outcome = self.core.commit_spec(launched.plan.id, tokens, accept_lens)
             self._count_drafts(launched.plan, accept_lens)
         plan = launched.plan
+        # The step's own time: from when it was planned, or from when the step before it
+        # finished if that was later (overlapped, it ran after that one).
+        seconds = done_at - max(launched.planned_at, previous_done)
         if self.draft_policy is not None and plan.forward_mode == "decode":
             self.draft_policy.observe(
                 len(plan.rids),
                 drafting=launched.draft_limit > 0,
                 drafted=bool(plan.draft_lens.any()),
-                seconds=done_at - max(launched.planned_at, previous_done),
+                seconds=seconds,
                 tokens=len(outcome.tokens),
             )
+        if self._step_log is not None:
+            record = dataclasses.asdict(StepShape.of(plan))
+            record |= {"dp_rank": self._dp_rank, "seconds": seconds}
+            self._step_log.write(json.dumps(record) + "\n")
         # Output row of each request's next token (one row per token of a verify step).
         index = None
         if out.sample.token_logprobs is not None:

@@ -60,7 +60,7 @@ def run_scheduler_process(
     commands.connect(command_addr)
     outbox = _Outbox(events)
     stack = build_stack(args)
-    loop = build_loop(stack, args, outbox.emit)
+    loop = build_loop(stack, args, outbox.emit, dp_rank=dp_rank)
     info = {
         "context_length": stack.context_length,
         "max_total_tokens": stack.max_total_tokens,

@@ -1,33 +1,50 @@
-"""`rsgl bench simulate --calibrate`: time the real model's steps here and fit a LinearCost.
+"""`rsgl bench simulate --calibrate`: time the real model's steps here and fit a TableCost.
 
 The model is built as the server builds it (`rsgl.stack.build_stack`: same dtype choice,
 threads, attention backend) and its steps are the core's own plans: for each decode batch B
 and context C of the grid, B requests of C random prompt tokens are queued, their prefill
 (chunked as the server chunks it) and a few decode steps run, and every step's shape and
 time (prepare + forward + sampling + the host copy of the tokens, on the CPU compute thread
-as the loop runs them) is a sample. The least-squares fit of those samples
-(`LinearCost.fit`) is saved as JSON for `--cost-model`.
+as the loop runs them) is a sample. The decode steps' medians per grid point and the
+least-squares fit of the prefill steps (`TableCost.fit`) are saved as JSON for
+`--cost-model`.
+
+With `--calibrate-server` the steps are timed where they run when serving: an `rsgl serve`
+(the same engine options) logs each step's shape and seconds in its loop (`--step-log`),
+while `rsgl bench serving`'s client streams each grid point's requests from it, all sent
+at once. Those times include what the model alone does not pay: on a machine whose cores
+the model's threads fill, the frontend, the HTTP streams and the client take their share
+of them, more the more requests stream.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
 import json
 import platform
 import sys
+import tempfile
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from rsgl.args import EngineArgs, from_cli
-from rsgl.bench.sim.cost import LinearCost, StepShape
+from rsgl.bench.sim.cost import TableCost
 from rsgl.model_executor.executor import run_on_compute_thread
 from rsgl.sampling_params import SamplingParams
+from rsgl.scheduler.step_shape import StepShape
 
 # Decode steps timed per grid point (after the prefill steps).
 DECODE_STEPS = 4
+# Tokens each request of a grid point generates through the server: a point's decode steps
+# are fewer at the full batch (a request that finished prefilling decodes while the others
+# still prefill), so more of them than in process.
+SERVER_OUTPUT_LEN = 16
 
 
 def parse_grid(text: str) -> tuple[list[int], list[int]]:
@@ -109,23 +126,88 @@ def time_steps(
     return shapes, seconds, meta
 
 
-def calibrate(engine: EngineArgs, grid: str, seed: int = 0) -> LinearCost:
-    """Times the grid (`parse_grid`) and fits the cost model."""
+def time_server_steps(
+    engine: EngineArgs, batches: list[int], contexts: list[int], seed: int = 0
+) -> tuple[list[StepShape], list[float], dict[str, Any]]:
+    """Every step an `rsgl serve` of `engine` ran for the grid's requests (see the module
+    doc), its shape and seconds, and what ran them."""
+    import httpx
+
+    from rsgl.bench import serving
+    from rsgl.bench.serve_process import start_server
+    from rsgl.bench.sim.validate import server_flags
+    from rsgl.models.loader import resolve_model_dir
+
+    tokenizer = serving.load_tokenizer(engine.tokenizer_path or engine.model_path)
+    # A warm-up point first (the first requests pay for lazy set-up), not recorded.
+    points = [(batches[0], contexts[0], False)]
+    points += [(b, c, True) for c in contexts for b in batches]
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "steps.jsonl"
+        flags = server_flags(dataclasses.replace(engine, step_log=str(log)))
+        proc, url = start_server(Path(tmp) / "server.log", *flags)
+        recorded: list[str] = []
+        try:
+            info = httpx.get(f"{url}/get_server_info", timeout=30).json()
+            config = serving.BenchConfig(base_url=url, backend="rsgl", warmup_requests=0)
+            for i, (batch, context, record) in enumerate(points):
+                httpx.post(f"{url}/flush_cache", timeout=30)
+                done = len(log.read_text().splitlines()) if log.exists() else 0
+                requests = serving.random_requests(
+                    tokenizer, batch, context, SERVER_OUTPUT_LEN, seed + i
+                )
+                run = asyncio.run(serving.run_benchmark(config, requests))
+                failed = [r.error for r in run.results if r.error]
+                if failed:
+                    raise RuntimeError(f"a calibration request failed: {failed[0]}")
+                # Each step's line is written before its tokens are sent: all are there.
+                if record:
+                    recorded += log.read_text().splitlines()[done:]
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    shapes, seconds = [], []
+    for line in recorded:
+        step = json.loads(line)
+        seconds.append(float(step.pop("seconds")))
+        step.pop("dp_rank")
+        shapes.append(StepShape(**step))
+    meta = {
+        "machine": cpu_name(),
+        "device": engine.device,
+        "through": "rsgl serve",
+        "cpu_threads": info.get("cpu_threads"),
+        "model": resolve_model_dir(engine.model_path).name,
+        "dtype": info.get("dtype"),
+        "batches": batches,
+        "contexts": contexts,
+        "chunked_prefill_size": engine.chunked_prefill_size,
+        "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+    return shapes, seconds, meta
+
+
+def calibrate(engine: EngineArgs, grid: str, seed: int = 0, server: bool = False) -> TableCost:
+    """Times the grid (`parse_grid`), in process or through a server, and fits the cost
+    model."""
     batches, contexts = parse_grid(grid)
-    shapes, seconds, meta = time_steps(engine, batches, contexts, seed)
-    return LinearCost.fit(shapes, seconds, meta)
+    timer = time_server_steps if server else time_steps
+    shapes, seconds, meta = timer(engine, batches, contexts, seed)
+    return TableCost.fit(shapes, seconds, batches, contexts, meta)
 
 
 def calibrate_main(args: argparse.Namespace) -> int:
     """`--calibrate`: fit, save to --calibrate-output, print the fit's summary."""
     engine: EngineArgs = from_cli(EngineArgs, args)
-    model = calibrate(engine, args.calibrate_grid, args.seed)
+    model = calibrate(engine, args.calibrate_grid, args.seed, server=args.calibrate_server)
     with open(args.calibrate_output, "w", encoding="utf-8") as f:
         json.dump(model.to_json(), f, indent=1)
     meta = model.meta or {}
     print(
-        f"calibrated on {meta.get('machine')} ({meta.get('samples')} steps): mean relative "
-        f"error {meta.get('fit_mean_rel_error')}, worst {meta.get('fit_max_rel_error')}; "
+        f"calibrated on {meta.get('machine')} ({meta.get('samples')} steps): relative error "
+        f"of decode steps mean {meta.get('decode_fit_mean_rel_error')}, worst "
+        f"{meta.get('decode_fit_max_rel_error')}; of prefill steps mean "
+        f"{meta.get('extend_fit_mean_rel_error')}, worst {meta.get('extend_fit_max_rel_error')}; "
         f"wrote {args.calibrate_output}",
         file=sys.stderr,
     )

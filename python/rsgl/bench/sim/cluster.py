@@ -20,10 +20,10 @@ from rsgl._core import Scheduler
 from rsgl.args import EngineArgs
 from rsgl.bench.sim.cost import (
     DTYPE_BYTES,
+    CalibratedCost,
     CostModel,
     FixedCost,
     HardwareSpec,
-    LinearCost,
     ModelFootprint,
     RooflineCost,
 )
@@ -58,12 +58,12 @@ class Layout:
 @dataclass(frozen=True, slots=True)
 class Deployment:
     """The engine options and model a simulation runs, and where step costs come from:
-    exactly one of `fixed_step_s`, `linear` (a calibration) or `spec` (a roofline)."""
+    exactly one of `fixed_step_s`, `calibrated` (a calibration) or `spec` (a roofline)."""
 
     args: EngineArgs
     config: ModelConfig
     fixed_step_s: float | None = None
-    linear: LinearCost | None = None
+    calibrated: CalibratedCost | None = None
     spec: HardwareSpec | None = None
 
     def with_layout(self, layout: Layout) -> Deployment:
@@ -79,6 +79,8 @@ class Deployment:
     def dtype(self) -> str:
         if self.args.dtype != "auto":
             return self.args.dtype
+        if self.calibrated is not None:  # what the calibrated engine chose
+            return str((self.calibrated.meta or {}).get("dtype", "float32"))
         return GPU_DEFAULT_DTYPE if self.spec is not None else "float32"
 
     def kv_heads_per_rank(self) -> int:
@@ -120,16 +122,16 @@ class Deployment:
     def cost_model(self) -> CostModel:
         if self.fixed_step_s is not None:
             return FixedCost(self.fixed_step_s)
-        if self.linear is not None:
-            return self.linear
+        if self.calibrated is not None:
+            return self.calibrated
         if self.spec is None:
             raise ValueError("no cost model: give --hardware, --cost-model or --fixed-step-ms")
         return RooflineCost(self.spec, self.footprint(), self.dtype, self.args.tp_size)
 
     def describe(self) -> dict[str, Any]:
         source: Any = "fixed" if self.fixed_step_s is not None else None
-        if self.linear is not None:
-            source = {"calibration": self.linear.meta}
+        if self.calibrated is not None:
+            source = {"calibration": self.calibrated.meta}
         if self.spec is not None:
             source = {"hardware": self.spec.name}
         return {

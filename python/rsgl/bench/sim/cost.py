@@ -4,9 +4,15 @@ A step is described by its `StepShape` (what the scheduling core planned: rows, 
 computed, KV read, prefix hits), never by its token ids, so the simulator runs no model
 math. Two models price a shape:
 
-- `LinearCost`: seconds = c · features(shape), least-squares fitted to steps of the real
-  model timed on this machine (`rsgl bench simulate --calibrate`, `calibrate.py`) and saved
-  as JSON (`--cost-model file.json`).
+- `TableCost`: what `rsgl bench simulate --calibrate` (`calibrate.py`) fits to steps of the
+  real model timed on this machine, saved as JSON (`--cost-model file.json`). Decode steps
+  are read off the grid of timed (batch, context) points, interpolated between them: on a
+  CPU their cost is not linear in the batch (a batch-1 step reads low-bit weights, a batch
+  of 8 a dense copy through another GEMM; SmolLM2 on 2 Sapphire Rapids cores: 9, 10, 15, 33,
+  36, 45 and 56 ms at batches 1 to 64), so no one line fits them. Prefill and extend steps
+  are priced by a `LinearCost` fitted to those steps alone.
+- `LinearCost`: seconds = c · features(shape), least-squares fitted (earlier calibrations
+  fitted every step with it; their files still load).
 - `RooflineCost`: a device's published memory bandwidth, peak FLOP/s for the dtype and
   interconnect bandwidth (`HardwareSpec`, shipped for H100 and H200 in `specs/`) applied to a
   model config: a step takes the longer of reading its bytes (weights once, the KV it
@@ -18,6 +24,7 @@ math. Two models price a shape:
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
@@ -25,59 +32,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from rsgl.scheduler.step_shape import StepShape
+
 if TYPE_CHECKING:
-    from rsgl._core import Plan
     from rsgl.models.config import ModelConfig
 
 # LinearCost's features, in coefficient order.
 FEATURES = ("step", "batch_size", "new_tokens", "attention_pairs", "num_extends")
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
-
-
-@dataclass(frozen=True, slots=True)
-class StepShape:
-    """What one step computes, as the cost models see it.
-
-    `context_tokens` is the KV the step reads (every row's sequence length), and
-    `attention_pairs` the query-key pairs it scores: a decode row scores its whole context,
-    an extend row of `e` new tokens after a cached prefix `p` scores `e · (p + (e + 1) / 2)`.
-    """
-
-    batch_size: int
-    new_tokens: int
-    num_extends: int
-    context_tokens: int
-    prefix_tokens: int
-    attention_pairs: float
-
-    @classmethod
-    def of(cls, plan: Plan) -> StepShape:
-        n = plan.num_extends
-        if n == 0:  # decode: one token per row, each scoring its whole context
-            context = int(plan.seq_lens.sum())
-            return cls(plan.batch_size, plan.num_tokens, 0, context, 0, float(context))
-        extend = plan.extend_lens
-        prefix = plan.prefix_lens
-        pairs = float(np.dot(extend, prefix) + 0.5 * np.dot(extend, extend + 1))
-        return cls(
-            plan.batch_size,
-            plan.num_tokens,
-            n,
-            int(plan.seq_lens.sum()),
-            int(prefix[:n].sum()),
-            pairs,
-        )
-
-    def features(self) -> list[float]:
-        """LinearCost's feature vector (see FEATURES)."""
-        return [
-            1.0,
-            float(self.batch_size),
-            float(self.new_tokens),
-            self.attention_pairs,
-            float(self.num_extends),
-        ]
 
 
 class CostModel(Protocol):
@@ -184,6 +147,140 @@ class LinearCost:
             "floor_s": self.floor_s,
             "meta": self.meta or {},
         }
+
+
+def _interpolate(x: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
+    """Piecewise-linear `ys` (its last axis over the increasing points `xs`) at each `x`:
+    flat below the first point, extended along the last segment above the last one."""
+    if len(xs) == 1:
+        return np.broadcast_to(ys[..., :1], (*ys.shape[:-1], len(x))).copy()
+    i = np.clip(np.searchsorted(xs, x, side="right") - 1, 0, len(xs) - 2)
+    t = np.maximum((x - xs[i]) / (xs[i + 1] - xs[i]), 0.0)
+    out: np.ndarray = ys[..., i] + t * (ys[..., i + 1] - ys[..., i])
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class TableCost:
+    """Decode steps from a grid of timed points, everything else from `extend` (see the
+    module doc).
+
+    `decode_s[i][j]` is the median seconds of the decode steps timed at `batches[i]` rows of
+    `contexts[j]` tokens of KV each (the mean over the step's rows), made non-decreasing
+    along both axes when the table is built (a noisy grid must not price more work lower).
+    A decode step of B rows reading C tokens in all is interpolated at (B, C / B):
+    piecewise-linearly in the context per row, then in the batch."""
+
+    batches: tuple[int, ...]
+    contexts: tuple[float, ...]
+    decode_s: tuple[tuple[float, ...], ...]
+    extend: LinearCost
+    floor_s: float = 1e-5
+    meta: dict[str, Any] | None = None
+
+    def step_seconds(self, shape: StepShape) -> float:
+        if shape.num_extends:
+            return self.extend.step_seconds(shape)
+        one = self.decode_seconds(np.array([shape.batch_size]), np.array([shape.context_tokens]))
+        return float(one[0])
+
+    def decode_seconds(self, batch: np.ndarray, context: np.ndarray) -> np.ndarray:
+        b = np.asarray(batch, dtype=np.float64)
+        per_row = np.asarray(context, dtype=np.float64) / np.maximum(b, 1.0)
+        grid = np.asarray(self.decode_s, dtype=np.float64)
+        # [len(batches), n]: each grid batch's cost at every step's context per row.
+        by_context = _interpolate(per_row, np.asarray(self.contexts, dtype=np.float64), grid)
+        xs = np.asarray(self.batches, dtype=np.float64)
+        if len(xs) == 1:
+            t = by_context[0]
+        else:
+            i = np.clip(np.searchsorted(xs, b, side="right") - 1, 0, len(xs) - 2)
+            cols = np.arange(len(b))
+            lo, hi = by_context[i, cols], by_context[i + 1, cols]
+            t = lo + np.maximum((b - xs[i]) / (xs[i + 1] - xs[i]), 0.0) * (hi - lo)
+        out: np.ndarray = np.maximum(t, self.floor_s)
+        return out
+
+    @classmethod
+    def fit(
+        cls,
+        shapes: list[StepShape],
+        seconds: list[float],
+        batches: Sequence[int],
+        contexts: Sequence[int],
+        meta: dict[str, Any] | None = None,
+    ) -> TableCost:
+        """The table of the decode steps' medians per (grid batch, grid context: the one of
+        `contexts` nearest the step's context per row, which grows by a token a step) and
+        the linear fit of the other steps. Decode steps of other batch sizes (a server
+        decodes the requests that finished prefilling while the rest still prefill) are
+        left out. Every grid point needs a step (ValueError naming the holes). Records
+        each part's mean and worst relative error over its own samples."""
+        grid_batches = set(batches)
+        decode = [
+            (s, t)
+            for s, t in zip(shapes, seconds, strict=True)
+            if not s.num_extends and s.batch_size in grid_batches
+        ]
+        others = [(s, t) for s, t in zip(shapes, seconds, strict=True) if s.num_extends]
+        if not decode or not others:
+            raise ValueError("a table cost model needs decode steps and prefill steps")
+        grid_contexts = sorted(set(contexts))
+        points: dict[tuple[int, int], list[tuple[float, float]]] = {}
+        for s, t in decode:
+            per_row = s.context_tokens / s.batch_size
+            nearest = min(grid_contexts, key=lambda c: abs(c - per_row))
+            points.setdefault((s.batch_size, nearest), []).append((per_row, t))
+        batches = sorted(grid_batches)
+        missing = [(b, c) for b in batches for c in grid_contexts if (b, c) not in points]
+        if missing:
+            raise ValueError(f"the decode grid has no steps at (batch, context) {missing}")
+        # Each column at the median context per row its steps read.
+        table_contexts = [
+            float(np.median([pr for b in batches for pr, _ in points[(b, c)]]))
+            for c in grid_contexts
+        ]
+        grid = np.array(
+            [[np.median([t for _, t in points[(b, c)]]) for c in grid_contexts] for b in batches]
+        )
+        grid = np.maximum.accumulate(np.maximum.accumulate(grid, axis=0), axis=1)
+        extend = LinearCost.fit([s for s, _ in others], [t for _, t in others])
+        model = cls(
+            tuple(batches),
+            tuple(table_contexts),
+            tuple(tuple(float(x) for x in row) for row in grid),
+            extend,
+            meta=dict(meta or {}),
+        )
+        assert model.meta is not None and extend.meta is not None
+        shapes_d = [s for s, _ in decode]
+        predicted = model.decode_seconds(
+            np.array([s.batch_size for s in shapes_d]),
+            np.array([s.context_tokens for s in shapes_d]),
+        )
+        measured = np.array([t for _, t in decode])
+        rel = np.abs(predicted - measured) / measured
+        model.meta["decode_fit_mean_rel_error"] = round(float(rel.mean()), 4)
+        model.meta["decode_fit_max_rel_error"] = round(float(rel.max()), 4)
+        model.meta["extend_fit_mean_rel_error"] = extend.meta["fit_mean_rel_error"]
+        model.meta["extend_fit_max_rel_error"] = extend.meta["fit_max_rel_error"]
+        model.meta["samples"] = len(shapes)
+        return model
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": "table",
+            "batches": list(self.batches),
+            "contexts": list(self.contexts),
+            "decode_s": [list(row) for row in self.decode_s],
+            "extend": self.extend.to_json(),
+            "floor_s": self.floor_s,
+            "meta": self.meta or {},
+        }
+
+
+# What `--calibrate` writes and `--cost-model` reads.
+CalibratedCost = TableCost | LinearCost
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,11 +391,27 @@ class RooflineCost:
         return np.maximum(memory_s, compute_s) + comm_s + spec.step_overhead_s
 
 
-def load_cost_model(path: str | Path) -> LinearCost:
-    """A cost model saved by `--calibrate` (`LinearCost.to_json`)."""
+def load_cost_model(path: str | Path) -> CalibratedCost:
+    """A cost model saved by `--calibrate` (`TableCost.to_json`, or an earlier
+    `LinearCost.to_json`)."""
     data = json.loads(Path(path).read_text())
+    if data.get("kind") == "table":
+        return TableCost(
+            tuple(int(b) for b in data["batches"]),
+            tuple(float(c) for c in data["contexts"]),
+            tuple(tuple(float(x) for x in row) for row in data["decode_s"]),
+            _linear_of(path, data["extend"]),
+            float(data["floor_s"]),
+            data.get("meta"),
+        )
+    return _linear_of(path, data)
+
+
+def _linear_of(path: str | Path, data: dict[str, Any]) -> LinearCost:
     if data.get("kind") != "linear" or list(data.get("features", [])) != list(FEATURES):
-        raise ValueError(f"{path}: not a linear cost model over {FEATURES}")
+        raise ValueError(
+            f"{path}: not a calibrated cost model (a table, or linear over {FEATURES})"
+        )
     return LinearCost(tuple(data["coefficients"]), float(data["floor_s"]), data.get("meta"))
 
 

@@ -35,8 +35,9 @@ import numpy as np
 
 from rsgl._core import Finished, Plan, Scheduler
 from rsgl.bench.serving import summarize_arrays
-from rsgl.bench.sim.cost import CostModel, StepShape, min_step_seconds
+from rsgl.bench.sim.cost import CostModel, min_step_seconds
 from rsgl.bench.sim.workload import Workload
+from rsgl.scheduler.step_shape import StepShape
 from rsgl.server.dispatcher import Dispatcher
 
 # The token every step samples; requests ignore EOS, so its value never ends one.

@@ -177,7 +177,7 @@ def format_rows(rows: list[dict[str, Any]], max_concurrency: int | None = None) 
 
 def validate_main(args: argparse.Namespace, dep: Deployment) -> int:
     """`--validate` (see the module docstring)."""
-    if dep.linear is None:
+    if dep.calibrated is None:
         print(
             "rsgl bench simulate --validate needs --cost-model (from --calibrate)", file=sys.stderr
         )
