@@ -18,7 +18,7 @@ from word_tokenizer import WordTokenizer
 
 from rsgl.args import EngineArgs
 from rsgl.bench import serving
-from rsgl.bench.sim import validate
+from rsgl.bench.sim import calibrate, validate
 from rsgl.bench.sim.capacity import (
     MIN_KEEP_UP_RATIO,
     find_capacity,
@@ -369,6 +369,25 @@ def test_the_calibrated_table_reads_decode_steps_off_its_grid(tmp_path: Path) ->
     loaded = load_cost_model(path)
     assert loaded == table
     assert Deployment(EngineArgs(), _config(), calibrated=loaded).dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("server", [False, True], ids=["in-process", "through-server"])
+def test_a_calibration_times_every_grid_point_and_prefills_over_a_cached_prefix(
+    server: bool,
+) -> None:
+    engine = EngineArgs(load_format="null")
+    timer = calibrate.time_server_steps if server else calibrate.time_steps
+    shapes, seconds, meta = timer(engine, [1, 2], [16, 48])
+    assert len(shapes) == len(seconds) and all(t > 0 for t in seconds)
+    decodes = [s for s in shapes if not s.num_extends]
+    assert {s.batch_size for s in decodes} == {1, 2}
+    extends = [s for s in shapes if s.num_extends]
+    # The second round of each point hits its first round's prompts in the radix cache.
+    assert any(s.prefix_tokens >= s.num_extends * 10 for s in extends)
+    assert any(s.prefix_tokens == 0 for s in extends)
+    assert meta.get("through") == ("rsgl serve" if server else None)
+    table = TableCost.fit(shapes, seconds, [1, 2], [16, 48], meta)
+    assert table.batches == (1, 2) and len(table.contexts) == 2
 
 
 def test_a_calibration_grid_with_holes_is_refused() -> None:

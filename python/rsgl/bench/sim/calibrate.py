@@ -3,7 +3,8 @@
 The model is built as the server builds it (`rsgl.stack.build_stack`: same dtype choice,
 threads, attention backend) and its steps are the core's own plans: for each decode batch B
 and context C of the grid, B requests of C random prompt tokens are queued, their prefill
-(chunked as the server chunks it) and a few decode steps run, and every step's shape and
+(chunked as the server chunks it) and a few decode steps run, then the same again with each
+prompt extended (a prefill over a cached prefix), and every step's shape and
 time (prepare + forward + sampling + the host copy of the tokens, on the CPU compute thread
 as the loop runs them) is a sample. The decode steps' medians per grid point and the
 least-squares fit of the prefill steps (`TableCost.fit`) are saved as JSON for
@@ -45,6 +46,10 @@ DECODE_STEPS = 4
 # are fewer at the full batch (a request that finished prefilling decodes while the others
 # still prefill), so more of them than in process.
 SERVER_OUTPUT_LEN = 16
+# Each grid point's requests are sent twice: the second time each prompt is extended by
+# this many tokens, so that prefills over a cached prefix (a shared system prompt, a chat's
+# history) are timed too.
+PREFIX_EXTENSION = 32
 
 
 def parse_grid(text: str) -> tuple[list[int], list[int]]:
@@ -81,11 +86,18 @@ def time_steps(
     next_id = 0
 
     def run_point(batch: int, context: int, record: bool) -> None:
+        first = [rng.integers(10, vocab, context) for _ in range(batch)]
+        run_requests(first, record)
+        # Again, each prompt extended: prefills over a cached prefix.
+        run_requests(
+            [np.concatenate([p, rng.integers(10, vocab, PREFIX_EXTENSION)]) for p in first], record
+        )
+
+    def run_requests(batch_prompts: list[np.ndarray], record: bool) -> None:
         nonlocal next_id
         params = SamplingParams(max_new_tokens=DECODE_STEPS + 1, temperature=0.0, ignore_eos=True)
         prompts = {}
-        for _ in range(batch):
-            prompt = rng.integers(10, vocab, context)
+        for prompt in batch_prompts:
             core.add_request(next_id, prompt, params.max_new_tokens, ignore_eos=True)
             prompts[next_id] = prompt.tolist()
             next_id += 1
@@ -153,13 +165,23 @@ def time_server_steps(
             for i, (batch, context, record) in enumerate(points):
                 httpx.post(f"{url}/flush_cache", timeout=30)
                 done = len(log.read_text().splitlines()) if log.exists() else 0
-                requests = serving.random_requests(
+                first = serving.random_requests(
                     tokenizer, batch, context, SERVER_OUTPUT_LEN, seed + i
                 )
-                run = asyncio.run(serving.run_benchmark(config, requests))
-                failed = [r.error for r in run.results if r.error]
-                if failed:
-                    raise RuntimeError(f"a calibration request failed: {failed[0]}")
+                tails = serving.random_requests(
+                    tokenizer, batch, PREFIX_EXTENSION, SERVER_OUTPUT_LEN, seed + len(points) + i
+                )
+                extended = [
+                    dataclasses.replace(
+                        r, prompt=r.prompt + t.prompt, prompt_len=r.prompt_len + t.prompt_len
+                    )
+                    for r, t in zip(first, tails, strict=True)
+                ]
+                for requests in (first, extended):
+                    run = asyncio.run(serving.run_benchmark(config, requests))
+                    failed = [r.error for r in run.results if r.error]
+                    if failed:
+                        raise RuntimeError(f"a calibration request failed: {failed[0]}")
                 # Each step's line is written before its tokens are sent: all are there.
                 if record:
                     recorded += log.read_text().splitlines()[done:]
