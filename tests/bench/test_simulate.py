@@ -363,6 +363,7 @@ def test_the_calibrated_table_reads_decode_steps_off_its_grid(tmp_path: Path) ->
     assert (table.decode_seconds(rows + 1, (rows + 1) * per_row) >= base).all()
     assert (table.decode_seconds(rows, rows * (per_row + 50)) >= base).all()
     assert min_step_seconds(table) <= base.min()
+    assert min_step_seconds(table) <= table.step_seconds(StepShape(1, 1, 1, 1, 0, 1.0))
     # Saved and loaded as the calibration wrote it; the engine's dtype sizes the pool.
     path = tmp_path / "cost.json"
     path.write_text(json.dumps(table.to_json()))

@@ -2,7 +2,7 @@
 
 A step is described by its `StepShape` (what the scheduling core planned: rows, tokens
 computed, KV read, prefix hits), never by its token ids, so the simulator runs no model
-math. Two models price a shape:
+math. Three models price a shape:
 
 - `TableCost`: what `rsgl bench simulate --calibrate` (`calibrate.py`) fits to steps of the
   real model timed on this machine, saved as JSON (`--cost-model file.json`). Decode steps
@@ -53,17 +53,20 @@ class CostModel(Protocol):
     def decode_seconds(self, batch: np.ndarray, context: np.ndarray) -> np.ndarray: ...
 
 
-# The cheapest step there is: one row, one new token, no context and no attention pairs.
+# The cheapest steps there are: one row, one new token, no context and no attention pairs
+# (a decode step), and a prefill of one token (a calibration prices prefills apart).
 SMALLEST_STEP = StepShape(1, 1, 0, 0, 0, 0.0)
+SMALLEST_PREFILL = StepShape(1, 1, 1, 1, 0, 1.0)
 
 
 def min_step_seconds(cost: CostModel) -> float:
     """What every step costs at least: the smallest step's price, shaved by a millionth so
     that sums of real step costs never round below a multiple of it. The cost models here
     never price a larger shape lower (a roofline's bytes and FLOPs grow with every field, a
-    calibration's coefficients are non-negative)."""
+    calibration's table is non-decreasing and its coefficients are non-negative)."""
     smallest = min(
         cost.step_seconds(SMALLEST_STEP),
+        cost.step_seconds(SMALLEST_PREFILL),
         float(cost.decode_seconds(np.array([1]), np.array([0]))[0]),
     )
     return smallest * (1 - 1e-6)
