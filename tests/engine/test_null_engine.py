@@ -205,7 +205,7 @@ def test_the_step_log_has_every_step_with_its_shape(tmp_path: Path, overlap: boo
         load_format="null", step_log=str(log), disable_overlap_schedule=not overlap
     ) as engine:
         engine.generate(prompts, [params] * 3)
-        steps = engine._loop.steps
+        steps = engine.get_server_info()["steps"]
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(lines) == steps
     assert all(line["dp_rank"] == 0 and line["seconds"] > 0 for line in lines)
