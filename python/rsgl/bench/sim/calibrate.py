@@ -124,18 +124,31 @@ def time_steps(
                 run_point(batch, context, record=True)
 
     run_on_compute_thread(grid)
-    meta = {
+    meta = _meta(
+        engine,
+        batches,
+        contexts,
+        cpu_threads=stack.cpu_threads,
+        model=stack.model_dir.name,
+        dtype=stack.dtype_choice.chosen,
+    )
+    return shapes, seconds, meta
+
+
+def _meta(
+    engine: EngineArgs, batches: list[int], contexts: list[int], **ran: Any
+) -> dict[str, Any]:
+    """What a calibration timed: this machine, the grid, the engine's options and what the
+    engine resolved (`ran`: its threads, model and dtype)."""
+    return {
         "machine": cpu_name(),
         "device": engine.device,
-        "cpu_threads": stack.cpu_threads,
-        "model": stack.model_dir.name,
-        "dtype": stack.dtype_choice.chosen,
+        **ran,
         "batches": batches,
         "contexts": contexts,
         "chunked_prefill_size": engine.chunked_prefill_size,
         "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
-    return shapes, seconds, meta
 
 
 def time_server_steps(
@@ -194,18 +207,15 @@ def time_server_steps(
         seconds.append(float(step.pop("seconds")))
         step.pop("dp_rank")
         shapes.append(StepShape(**step))
-    meta = {
-        "machine": cpu_name(),
-        "device": engine.device,
-        "through": "rsgl serve",
-        "cpu_threads": info.get("cpu_threads"),
-        "model": resolve_model_dir(engine.model_path).name,
-        "dtype": info.get("dtype"),
-        "batches": batches,
-        "contexts": contexts,
-        "chunked_prefill_size": engine.chunked_prefill_size,
-        "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-    }
+    meta = _meta(
+        engine,
+        batches,
+        contexts,
+        through="rsgl serve",
+        cpu_threads=info["cpu_threads"],
+        model=resolve_model_dir(engine.model_path).name,
+        dtype=info["dtype"],
+    )
     return shapes, seconds, meta
 
 

@@ -80,7 +80,7 @@ class Deployment:
         if self.args.dtype != "auto":
             return self.args.dtype
         if self.calibrated is not None:  # what the calibrated engine chose
-            return str((self.calibrated.meta or {}).get("dtype", "float32"))
+            return str((self.calibrated.meta or {}).get("dtype") or "float32")
         return GPU_DEFAULT_DTYPE if self.spec is not None else "float32"
 
     def kv_heads_per_rank(self) -> int:
