@@ -391,6 +391,25 @@ def test_a_calibration_times_every_grid_point_and_prefills_over_a_cached_prefix(
     assert table.batches == (1, 2) and len(table.contexts) == 2
 
 
+def test_a_saved_calibration_keeps_its_timed_steps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "cost.json"
+    argv = ["--calibrate", "--load-format", "null", "--calibrate-grid", "1,2:16,48"]
+    assert main([*argv, "--calibrate-output", str(out)]) == 0
+    capsys.readouterr()
+    saved = json.loads(out.read_text())
+    fields = saved["sample_fields"]
+    steps = [dict(zip(fields, row, strict=True)) for row in saved["samples"]]
+    assert len(steps) == saved["meta"]["samples"]
+    seconds = [step.pop("seconds") for step in steps]
+    shapes = [StepShape(**step) for step in steps]
+    # The same model refits from them, and the file still loads as that model.
+    refit = TableCost.fit(shapes, seconds, [1, 2], [16, 48], saved["meta"])
+    assert refit.decode_s == load_cost_model(out).decode_s
+    assert refit.to_json()["extend"] == saved["extend"]
+
+
 def test_a_calibration_grid_with_holes_is_refused() -> None:
     prefill = LinearCost((3e-3, 1e-4, 5e-5, 2e-9, 1e-3))
     shapes, seconds = _calibration_steps([1, 8], [64, 256], prefill)

@@ -18,7 +18,6 @@ from plan_builder import Driver
 from rsgl.layers import decode_stack
 from rsgl.layers.attention.torch_native import TorchNativeAttnBackend
 from rsgl.layers.cpu_kernels import load_cpu_kernels
-from rsgl.layers.quant_linear import DEFAULT_MAX_ROWS
 from rsgl.model_executor.model_runner import ModelRunner
 
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -42,8 +41,9 @@ STEPS = 12
 def runner(request: pytest.FixtureRequest) -> ModelRunner:
     if load_cpu_kernels() is None:
         pytest.skip("no C compiler: the decode stack is a C kernel")
+    config = CONFIGS[request.param]
     return ModelRunner.from_pretrained(
-        None, kv_buffer_size=2048, max_running_requests=8, context_len=256, **CONFIGS[request.param]
+        None, kv_buffer_size=2048, max_running_requests=40, context_len=256, **config
     )
 
 
@@ -108,7 +108,9 @@ def test_the_stack_gives_the_layer_paths_logits_bit_for_bit(
 def test_a_batch_above_the_low_bit_rows_stays_on_the_layer_path(
     runner: ModelRunner, stack_calls: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    prompts = [[1, 100 + i, 200 + i] for i in range(DEFAULT_MAX_ROWS + 1)]
+    head = runner.model.low_bit_lm_head
+    assert head is not None
+    prompts = [[1, 100 + i, 200 + i] for i in range(head.max_rows + 1)]
     (tokens, logits), (layer_tokens, layer_logits) = both_paths(runner, prompts, monkeypatch)
     assert stack_calls == []
     assert tokens == layer_tokens

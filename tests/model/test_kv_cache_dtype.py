@@ -34,7 +34,8 @@ def _runner(smol_runner: ModelRunner, kv_cache_dtype: str) -> ModelRunner:
 # must equal the float32 cache's (this random prompt has near-ties an fp8 step flips).
 # Measured over these 12 steps on a Sapphire Rapids (kernel vs eager / vs float32): bf16
 # 0.047 / 0.072, fp16 0.0034 / 0.0086, int8 0.22 / 0.24, fp8_e4m3 0.67 / 0.77, fp8_e5m2
-# 0.38 / 29. The bounds leave room, and a cache read wrongly (a float32 cache read as
+# 0.38 / 29 (0.96 / - since a 16-token chunk reads the GGUF blocks: the same weights,
+# another summation order, and so other keys on e5m2's rounding boundaries). The bounds leave room, and a cache read wrongly (a float32 cache read as
 # 16-bit, keys stored unrotated, scales dropped) misses them by orders of magnitude. e5m2's
 # two mantissa bits move this random prompt's attention far from float32's (KL divergence
 # 2.8 at one step; on real text `rsgl bench quality` measures 0.02): it has no bound here,
@@ -44,7 +45,7 @@ NARROW = [
     ("float16", torch.float16, 0.01, 0.05, 4),
     ("int8", torch.int8, 0.45, 0.6, 4),
     ("fp8_e4m3", torch.float8_e4m3fn, 1.3, 1.5, 1),
-    ("fp8_e5m2", torch.float8_e5m2, 0.8, None, 0),
+    ("fp8_e5m2", torch.float8_e5m2, 1.5, None, 0),
 ]
 
 

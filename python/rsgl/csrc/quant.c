@@ -199,7 +199,7 @@ static inline void dequant_block16(int fmt, const uint8_t* q, const float* d, co
    here the halves of lo (0-15) and hi (16-31): the same tree. (Measured against the AVX2
    build on random blocks: the same bits in every GGUF format, for one, two and three rows
    of x. -ffast-math lets the compiler fuse and reassociate each inlined copy its own way,
-   so that is checked, not promised; see row_tiles.) */
+   so that is checked, not promised; see dot_xtile.) */
 static inline float hsum16(__m512 lo, __m512 hi) {
     const __m256 a = _mm512_castps512_ps256(lo);
     const __m256 b = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lo), 1));
@@ -252,59 +252,43 @@ static inline __attribute__((always_inline)) const uint8_t* block_parts(
     return row + k * block_bytes(fmt) + (fmt == Q4_1 ? 4 : 2);
 }
 
-/* Rows x0 and (when not NULL) x1 of x times weight rows n and (when `both`) n + 1, into
-   y0[0], y0[1] and y1[0], y1[1]: each product in the AVX2 path's lanes and order, 16 wide.
-   A pair of weight rows shares the loop so that even one row of x has four independent
-   sums: each sum adds once per block, and one sum alone waits on the multiply-add's
-   latency (a batch-1 projection ran 1.2x faster on one thread, SmolLM2's K = 1536). */
-static inline __attribute__((always_inline)) void dot_tile(const int fmt, const QMat* a,
-                                                           int64_t n, int both, int64_t nb,
-                                                           const float* x0, const float* x1,
-                                                           float* y0, float* y1) {
+/* One row of x times weight rows n and n + 1, into y[n] and y[n + 1]: each product in the
+   AVX2 path's lanes and order, 16 wide. The two weight rows share the loop so that one row of
+   x has four independent sums: each sum adds once per block, and one sum alone waits on the
+   multiply-add's latency (a batch-1 projection ran 1.2x faster on one thread, SmolLM2's
+   K = 1536). */
+static inline __attribute__((always_inline)) void dot_pair(const int fmt, const QMat* a,
+                                                           int64_t n, int64_t nb,
+                                                           const float* x, float* y) {
     const int gguf = fmt != I4 && fmt != I8;
     /* Blocks per scale: one for GGUF's formats, group / 32 for the load-time ones. */
     const int64_t per = gguf ? 1 : a->group / QK;
     int64_t g = 0, next = per; /* block k's group in the row, and where the next starts */
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0; /* row n */
-    __m512 e0 = a0, e1 = a0, f0 = a0, f1 = a0;                  /* row n + 1 */
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0; /* row n */
+    __m512 e0 = a0, e1 = a0;                  /* row n + 1 */
     float dm[2 * HEADER_CHUNK + 16], dm2[2 * HEADER_CHUNK + 16];
     for (int64_t c0 = 0; c0 < nb; c0 += HEADER_CHUNK) {
         const int64_t c1 = c0 + HEADER_CHUNK < nb ? c0 + HEADER_CHUNK : nb;
         if (gguf) gguf_headers(fmt, a->w + n * a->row_bytes, c0, c1 - c0, dm);
-        if (gguf && both) gguf_headers(fmt, a->w + (n + 1) * a->row_bytes, c0, c1 - c0, dm2);
+        if (gguf) gguf_headers(fmt, a->w + (n + 1) * a->row_bytes, c0, c1 - c0, dm2);
         for (int64_t k = c0; k < c1; k++) {
             if (k == next) g++, next += per;
             const float *d, *m;
             __m512 w[2];
+            const float* p = x + k * QK;
+            const __m512 p0 = _mm512_loadu_ps(p), p1 = _mm512_loadu_ps(p + 16);
             const uint8_t* q = block_parts(fmt, a, n, k, g, c0, dm, &d, &m);
             dequant_block16(fmt, q, d, m, w);
-            const float* p = x0 + k * QK;
-            const __m512 p0 = _mm512_loadu_ps(p), p1 = _mm512_loadu_ps(p + 16);
             a0 = _mm512_fmadd_ps(w[0], p0, a0);
             a1 = _mm512_fmadd_ps(w[1], p1, a1);
-            __m512 r0 = p0, r1 = p1;
-            if (x1) {
-                r0 = _mm512_loadu_ps(x1 + k * QK);
-                r1 = _mm512_loadu_ps(x1 + k * QK + 16);
-                b0 = _mm512_fmadd_ps(w[0], r0, b0);
-                b1 = _mm512_fmadd_ps(w[1], r1, b1);
-            }
-            if (both) {
-                q = block_parts(fmt, a, n + 1, k, g, c0, dm2, &d, &m);
-                dequant_block16(fmt, q, d, m, w);
-                e0 = _mm512_fmadd_ps(w[0], p0, e0);
-                e1 = _mm512_fmadd_ps(w[1], p1, e1);
-                if (x1) {
-                    f0 = _mm512_fmadd_ps(w[0], r0, f0);
-                    f1 = _mm512_fmadd_ps(w[1], r1, f1);
-                }
-            }
+            q = block_parts(fmt, a, n + 1, k, g, c0, dm2, &d, &m);
+            dequant_block16(fmt, q, d, m, w);
+            e0 = _mm512_fmadd_ps(w[0], p0, e0);
+            e1 = _mm512_fmadd_ps(w[1], p1, e1);
         }
     }
-    y0[0] = hsum16(a0, a1);
-    if (x1) y1[0] = hsum16(b0, b1);
-    if (both) y0[1] = hsum16(e0, e1);
-    if (both && x1) y1[1] = hsum16(f0, f1);
+    y[n] = hsum16(a0, a1);
+    y[n + 1] = hsum16(e0, e1);
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 /* One block's 32 weights in four registers: elements 0-7, 8-15, 16-23, 24-31. */
@@ -389,22 +373,66 @@ static inline void dot_rows(const int fmt, const QMat* a, int64_t n, int64_t nb,
 #endif
 
 #if defined(__AVX512F__)
-#define TWO_WEIGHT_ROWS 1
-#else
-/* One weight row at a time (`both` is never set: see row_tiles). */
-#define TWO_WEIGHT_ROWS 0
-static inline __attribute__((always_inline)) void dot_tile(const int fmt, const QMat* a,
-                                                           int64_t n, int both, int64_t nb,
-                                                           const float* x0, const float* x1,
-                                                           float* y0, float* y1) {
-    (void)both;
-    dot_rows(fmt, a, n, nb, x0, x1, y0, y1);
+/* Rows of x that share one rebuild of a weight row's blocks (AVX-512). */
+#define X_TILE 8
+
+/* Rows x[0 .. R) of x (R <= X_TILE, a constant in each inlined copy) times weight row n, into
+   y[r * N + n]: each block is rebuilt once for all R rows, and each row's product is summed
+   in the lanes and order of dot_pair (a sum of its own per half block, then hsum16), so a row
+   gets the same bits in every tile (-ffast-math would let each inlined copy reassociate its
+   own way; the sums are chains of fused multiply-adds, which it leaves alone, and
+   tests/model/test_quant_linear.py checks every tile height against rows alone). With two
+   rows sharing a rebuild, a projection of 8 rows rebuilt each weight 4 times; most of the
+   work was the rebuild, and 8 rows of a decode step (or a short prompt's prefill) went to
+   the dense copy instead. */
+static inline __attribute__((always_inline)) void dot_xtile(const int fmt, const QMat* a,
+                                                            int64_t n, int64_t nb,
+                                                            const float* x, int64_t K,
+                                                            const int R, float* y, int64_t N) {
+    const int gguf = fmt != I4 && fmt != I8;
+    const int64_t per = gguf ? 1 : a->group / QK;
+    int64_t g = 0, next = per;
+    __m512 lo[X_TILE], hi[X_TILE];
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm512_setzero_ps();
+    float dm[2 * HEADER_CHUNK + 16];
+    for (int64_t c0 = 0; c0 < nb; c0 += HEADER_CHUNK) {
+        const int64_t c1 = c0 + HEADER_CHUNK < nb ? c0 + HEADER_CHUNK : nb;
+        if (gguf) gguf_headers(fmt, a->w + n * a->row_bytes, c0, c1 - c0, dm);
+        for (int64_t k = c0; k < c1; k++) {
+            if (k == next) g++, next += per;
+            const float *d, *m;
+            __m512 w[2];
+            const uint8_t* q = block_parts(fmt, a, n, k, g, c0, dm, &d, &m);
+            dequant_block16(fmt, q, d, m, w);
+            for (int r = 0; r < R; r++) {
+                const float* p = x + r * K + k * QK;
+                lo[r] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(p), lo[r]);
+                hi[r] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(p + 16), hi[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) y[r * N + n] = hsum16(lo[r], hi[r]);
 }
-#endif
+
+/* dot_xtile with R known: one instance per tile height. */
+static inline __attribute__((always_inline)) void xtile(const int fmt, const QMat* a, int64_t n,
+                                                        int64_t nb, const float* x, int64_t K,
+                                                        int64_t R, float* y, int64_t N) {
+    switch (R) {
+        case 1: dot_xtile(fmt, a, n, nb, x, K, 1, y, N); break;
+        case 2: dot_xtile(fmt, a, n, nb, x, K, 2, y, N); break;
+        case 3: dot_xtile(fmt, a, n, nb, x, K, 3, y, N); break;
+        case 4: dot_xtile(fmt, a, n, nb, x, K, 4, y, N); break;
+        case 5: dot_xtile(fmt, a, n, nb, x, K, 5, y, N); break;
+        case 6: dot_xtile(fmt, a, n, nb, x, K, 6, y, N); break;
+        case 7: dot_xtile(fmt, a, n, nb, x, K, 7, y, N); break;
+        default: dot_xtile(fmt, a, n, nb, x, K, 8, y, N); break;
+    }
+}
 
 /* y[M, N] = x[M, K] . W^T over float32 rows; K a multiple of 32. Columns of y are split over
-   threads two at a time; each thread walks its pair of weight rows once per pair of x rows
-   (the pair stays in L1 between x pairs, so memory sees each block once per call). */
+   threads two at a time; each thread walks its pair of weight rows once per tile of X_TILE
+   rows of x (the pair stays in L1 between tiles, so memory sees each block once per call). */
 static inline __attribute__((always_inline)) void row_tiles(const int fmt, const QMat* a,
                                                             int64_t n, const float* x,
                                                             int64_t M, int64_t K, int64_t N,
@@ -415,19 +443,37 @@ static inline __attribute__((always_inline)) void row_tiles(const int fmt, const
        Past the matrix's end the hint reads nothing: prefetches never fault. */
     prefetch_bytes(a->w + (n + 8) * a->row_bytes, 2 * a->row_bytes);
     const int both = n + 1 < N;
-    /* A pair of x rows already has four sums per weight row, so each weight row goes on
-       its own (both at once measured 2% slower at batch 16); a single x row takes the two
-       weight rows together (AVX-512). One call site: each inlined copy of the loop may sum
-       in its own order under -ffast-math, and a row of x must not depend on its batch. */
-    for (int64_t r = 0; r < M; r += 2) {
-        const int two = r + 1 < M;
-        const int pair = TWO_WEIGHT_ROWS && !two && both;
-        for (int64_t i = 0; i <= (pair ? 0 : both); i++)
-            dot_tile(fmt, a, n + i, pair, K / QK, x + r * K,
-                     two ? x + (r + 1) * K : NULL, y + r * N + n + i,
-                     two ? y + (r + 1) * N + n + i : NULL);
+    for (int64_t r = 0; r < M; r += X_TILE) {
+        const int64_t R = M - r < X_TILE ? M - r : X_TILE;
+        if (R == 1 && both) {
+            /* One row of x takes the two weight rows together: four sums in flight. */
+            dot_pair(fmt, a, n, K / QK, x + r * K, y + r * N);
+            continue;
+        }
+        for (int64_t i = 0; i <= both; i++)
+            xtile(fmt, a, n + i, K / QK, x + r * K, K, R, y + r * N, N);
     }
 }
+#else
+/* y[M, N] = x[M, K] . W^T over float32 rows; K a multiple of 32. Columns of y are split over
+   threads two at a time; each thread walks its pair of weight rows once per pair of x rows
+   (the pair stays in L1 between x pairs, so memory sees each block once per call). */
+static inline __attribute__((always_inline)) void row_tiles(const int fmt, const QMat* a,
+                                                            int64_t n, const float* x,
+                                                            int64_t M, int64_t K, int64_t N,
+                                                            float* y) {
+    /* Weight rows are short and a decode step streams them from memory: ask for the rows 8
+       ahead (see the AVX-512 row_tiles). */
+    prefetch_bytes(a->w + (n + 8) * a->row_bytes, 2 * a->row_bytes);
+    const int both = n + 1 < N;
+    for (int64_t r = 0; r < M; r += 2) {
+        const int two = r + 1 < M;
+        for (int64_t i = 0; i <= both; i++)
+            dot_rows(fmt, a, n + i, K / QK, x + r * K, two ? x + (r + 1) * K : NULL,
+                     y + r * N + n + i, two ? y + (r + 1) * N + n + i : NULL);
+    }
+}
+#endif
 
 static void qlinear_f32(const QMat* a, const float* x, int64_t M, int64_t K, int64_t N,
                         float* y, int threads) {

@@ -24,13 +24,27 @@ from torch import nn
 
 from rsgl.layers.cpu_kernels import QUANT_BLOCK, QUANT_FORMATS, CpuKernels
 
-# Rows of x up to which the low-bit weights are read rather than the dense copy. Measured
-# on a 2-core AMD EPYC (Zen 3, AVX2), all of SmolLM2's projections and LM head in float32,
-# GGUF blocks vs oneDNN over the dense copy: 2.32x faster at 1 row, 1.89x at 2, 1.38x at 4,
-# 1.15x at 6, 0.93x at 8 (each row pair rebuilds the weights: the blocks' cost grows with
-# the rows, the dense GEMM's hardly). Wider vector units speed oneDNN up more than the
-# rebuild, so the switch is kept below this machine's crossover.
+# Rows of x up to which the low-bit weights are read rather than the dense copy. Each row
+# pair rebuilds the weights where the kernels are built for AVX2 (the blocks' cost grows
+# with the rows, the dense GEMM's hardly): on a 2-core AMD EPYC (Zen 3), all of SmolLM2's
+# projections and LM head in float32, GGUF blocks vs oneDNN over the dense copy measured
+# 2.32x faster at 1 row, 1.89x at 2, 1.38x at 4, 1.15x at 6 and 0.93x at 8, and the switch
+# is kept below that crossover.
 DEFAULT_MAX_ROWS = 4
+
+
+def low_bit_max_rows(kernels: CpuKernels, dtype: torch.dtype) -> int:
+    """The rows up to which projections of `dtype` activations read low-bit weights.
+
+    The AVX-512 kernels rebuild a weight row once for 8 rows of x (`quant.c`), so the
+    blocks stay ahead of the dense copy much longer. SmolLM2's decode steps on 2 Sapphire
+    Rapids cores (`rsgl bench one-batch`, ms a step, blocks vs dense): float32 21.5 vs 73.6
+    at batch 8, 41.6 vs 92.9 at 16, 93 vs 109 at 32, 199 vs 176 at 64; bfloat16 (whose dense
+    copy runs on AMX) 26.3 vs 39.8 at 8, 34.4 vs 39.7 at 12, 51.3 vs 42.7 at 16. A CPU
+    without AMX runs the dense bfloat16 copy slower, so its crossover is no lower."""
+    if "avx512f" not in kernels.isa:
+        return DEFAULT_MAX_ROWS
+    return 32 if dtype == torch.float32 else 12
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,4 +170,11 @@ class QuantLinear(nn.Module):
         )
 
 
-__all__ = ["DEFAULT_MAX_ROWS", "GGUFBlocks", "GroupQuantized", "LowBitWeight", "QuantLinear"]
+__all__ = [
+    "DEFAULT_MAX_ROWS",
+    "GGUFBlocks",
+    "GroupQuantized",
+    "LowBitWeight",
+    "QuantLinear",
+    "low_bit_max_rows",
+]

@@ -18,7 +18,7 @@ import torch
 
 from rsgl.cache_dir import rsgl_cache_dir
 from rsgl.layers.cpu_kernels import load_cpu_kernels
-from rsgl.layers.quant_linear import DEFAULT_MAX_ROWS
+from rsgl.layers.quant_linear import low_bit_max_rows
 from rsgl.models.config import ModelConfig
 from rsgl.models.gguf_weights import QUANTIZATIONS, read_blocks
 from rsgl.models.llama import LlamaForCausalLM
@@ -223,12 +223,14 @@ def load_model(
     kernels = load_cpu_kernels() if chosen != "none" else None
     if chosen == "gguf":
         assert source is not None and kernels is not None
-        count = net.use_gguf_blocks(read_blocks(source, kernels), DEFAULT_MAX_ROWS)
+        count = net.use_gguf_blocks(read_blocks(source, kernels), low_bit_max_rows(kernels, dtype))
         logger.info("%d weight matrices read %s's own blocks", count, source.name)
     elif chosen in ("int8", "int4"):
         assert kernels is not None
         bits = int(chosen.removeprefix("int"))
-        count = net.quantize_weights(kernels, bits, quantization_group_size, DEFAULT_MAX_ROWS)
+        count = net.quantize_weights(
+            kernels, bits, quantization_group_size, low_bit_max_rows(kernels, dtype)
+        )
         logger.info("%d weight matrices quantized to %s", count, chosen)
     if pack_weights:
         net.pack_cpu_weights()

@@ -8,7 +8,8 @@ prompt extended (a prefill over a cached prefix), and every step's shape and
 time (prepare + forward + sampling + the host copy of the tokens, on the CPU compute thread
 as the loop runs them) is a sample. The decode steps' medians per grid point and the
 least-squares fit of the prefill steps (`TableCost.fit`) are saved as JSON for
-`--cost-model`.
+`--cost-model`, with the timed steps themselves (`samples`: each step's `StepShape` fields and
+seconds), so that another model can be fitted to them later.
 
 With `--calibrate-server` the steps are timed where they run when serving: an `rsgl serve`
 (the same engine options) logs each step's shape and seconds in its loop (`--step-log`),
@@ -219,21 +220,19 @@ def time_server_steps(
     return shapes, seconds, meta
 
 
-def calibrate(engine: EngineArgs, grid: str, seed: int = 0, server: bool = False) -> TableCost:
-    """Times the grid (`parse_grid`), in process or through a server, and fits the cost
-    model."""
-    batches, contexts = parse_grid(grid)
-    timer = time_server_steps if server else time_steps
-    shapes, seconds, meta = timer(engine, batches, contexts, seed)
-    return TableCost.fit(shapes, seconds, batches, contexts, meta)
-
-
 def calibrate_main(args: argparse.Namespace) -> int:
     """`--calibrate`: fit, save to --calibrate-output, print the fit's summary."""
     engine: EngineArgs = from_cli(EngineArgs, args)
-    model = calibrate(engine, args.calibrate_grid, args.seed, server=args.calibrate_server)
+    batches, contexts = parse_grid(args.calibrate_grid)
+    timer = time_server_steps if args.calibrate_server else time_steps
+    shapes, seconds, meta = timer(engine, batches, contexts, args.seed)
+    model = TableCost.fit(shapes, seconds, batches, contexts, meta)
+    saved = model.to_json()
+    # The timed steps themselves, so that another model can be fitted to them later.
+    saved["sample_fields"] = [*(f.name for f in dataclasses.fields(StepShape)), "seconds"]
+    saved["samples"] = [[*dataclasses.astuple(s), t] for s, t in zip(shapes, seconds, strict=True)]
     with open(args.calibrate_output, "w", encoding="utf-8") as f:
-        json.dump(model.to_json(), f, indent=1)
+        json.dump(saved, f, indent=1)
     meta = model.meta or {}
     print(
         f"calibrated on {meta.get('machine')} ({meta.get('samples')} steps): relative error "
