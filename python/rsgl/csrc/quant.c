@@ -275,10 +275,10 @@ static inline __attribute__((always_inline)) void dot_pair(const int fmt, const 
             if (k == next) g++, next += per;
             const float *d, *m;
             __m512 w[2];
-            const float* p = x + k * QK;
-            const __m512 p0 = _mm512_loadu_ps(p), p1 = _mm512_loadu_ps(p + 16);
             const uint8_t* q = block_parts(fmt, a, n, k, g, c0, dm, &d, &m);
             dequant_block16(fmt, q, d, m, w);
+            const float* p = x + k * QK;
+            const __m512 p0 = _mm512_loadu_ps(p), p1 = _mm512_loadu_ps(p + 16);
             a0 = _mm512_fmadd_ps(w[0], p0, a0);
             a1 = _mm512_fmadd_ps(w[1], p1, a1);
             q = block_parts(fmt, a, n + 1, k, g, c0, dm2, &d, &m);
