@@ -35,8 +35,9 @@ def _runner(smol_runner: ModelRunner, kv_cache_dtype: str) -> ModelRunner:
 # Measured over these 12 steps on a Sapphire Rapids (kernel vs eager / vs float32): bf16
 # 0.047 / 0.072, fp16 0.0034 / 0.0086, int8 0.22 / 0.24, fp8_e4m3 0.67 / 0.77, fp8_e5m2
 # 0.38 / 29 (0.96 / - since a 16-token chunk reads the GGUF blocks: the same weights,
-# another summation order, and so other keys on e5m2's rounding boundaries). The bounds leave room, and a cache read wrongly (a float32 cache read as
-# 16-bit, keys stored unrotated, scales dropped) misses them by orders of magnitude. e5m2's
+# another summation order, and so other keys on e5m2's rounding boundaries). The bounds
+# leave room, and a cache read wrongly (a float32 cache read as 16-bit, keys stored
+# unrotated, scales dropped) misses them by orders of magnitude. e5m2's
 # two mantissa bits move this random prompt's attention far from float32's (KL divergence
 # 2.8 at one step; on real text `rsgl bench quality` measures 0.02): it has no bound here,
 # test_quality bounds it.

@@ -15,9 +15,10 @@ each concurrency: output tokens per second of each, their ratio, the average acc
 and drafts per verify step, and whether the outputs were identical (medians of `--rounds`
 alternated runs). Every request generates
 `--output-len` tokens (`ignore_eos`), so both engines run the same batches however their
-tokens compare: in float32 they are identical; in bfloat16 a verify step's logits (an
-extend's kernels) round otherwise than a decode step's, so a near-tie may go the other way
-and the text diverge from there.
+tokens compare: in float32 they are identical; in bfloat16 too where a verify step's tokens
+fit the decode stack (each token a decode row: the low-bit rows, `rsgl.layers.quant_linear`),
+but a larger verify's logits (an extend's kernels) round otherwise than a decode step's, so
+a near-tie may go the other way and the text diverge from there.
 
     rsgl bench speculative --parts workloads --concurrency 1,4,16,64
 """
@@ -65,6 +66,8 @@ def _step_plan(batch: int, position: int, width: int, capacity: int, vocab: int)
         write_rows=np.repeat(slots, width),
         write_cols=np.tile(cols, batch),
         write_slots=kv,
+        # A verify step's plan: its logits at every position, as the loop's verify steps.
+        draft_lens=np.full(batch, width - 1, dtype=np.int64) if width > 1 else None,
     )
 
 

@@ -136,9 +136,12 @@ static inline void ENTRY(rotate_store)(
    pairs, float32), store the rotated k and v at KV slot loc[b] (rounded to KV_T), then
    attend as rsgl_decode_attention. The rotated q and k are rounded to the activation dtype
    first, as the eager rotary's output is. Request b's own key is among those it reads
-   (req_to_token already maps position seq_lens[b] - 1 to loc[b]); other requests never
-   read row loc[b]. ks / vs: the int8 cache's scales ([slots, Hkv], stored too), else NULL.
-   Every request's keys are stored before any attends when its heads are split. */
+   (req_to_token already maps position seq_lens[b] - 1 to loc[b]).
+
+   Rows may also be the positions of one request (a verify step's last token and drafts, each
+   its own row with seq_lens its position + 1, as the decode step at that position would
+   be): every row's key is stored before any row attends, so a row reads the keys of the
+   rows before it, and a row gets the bits it gets as a decode row. */
 void ENTRY(rsgl_decode_layer)(
     const ACT_T* qkv, const float* cis, const int64_t* loc, KV_T* kb, KV_T* vb, float* ks,
     float* vs, const int32_t* req_to_token, int64_t r2t_stride, const int64_t* req_slots,
@@ -148,27 +151,18 @@ void ENTRY(rsgl_decode_layer)(
     const int64_t per = ENTRY(items_per_request)(B, Hkv, nthreads);
     float* q = (float*)malloc(sizeof(float) * (size_t)(B * H * D));
     if (!q) abort();
-    if (per == 1) {
-        #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-        for (int64_t b = 0; b < B; b++) {
-            ENTRY(rotate_store)(qkv + b * width, cis + b * D, loc[b], kb, vb, ks, vs,
-                                q + b * H * D, H, Hkv, D);
-            ENTRY(attend_item)(q + b * H * D, kb, vb, ks, vs,
-                               req_to_token + req_slots[b] * r2t_stride, seq_lens[b],
-                               out + b * H * D, H, Hkv, 0, Hkv, D, scale);
-        }
-    } else {
-        for (int64_t b = 0; b < B; b++)
-            ENTRY(rotate_store)(qkv + b * width, cis + b * D, loc[b], kb, vb, ks, vs,
-                                q + b * H * D, H, Hkv, D);
-        #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-        for (int64_t i = 0; i < B * per; i++) {
-            int64_t j0, j1;
-            const int64_t b = ENTRY(item_heads)(i, per, Hkv, &j0, &j1);
-            ENTRY(attend_item)(q + b * H * D, kb, vb, ks, vs,
-                               req_to_token + req_slots[b] * r2t_stride, seq_lens[b],
-                               out + b * H * D, H, Hkv, j0, j1, D, scale);
-        }
+    /* A row's rotary and store are a few hundred operations: in one loop, before the
+       parallel attention. */
+    for (int64_t b = 0; b < B; b++)
+        ENTRY(rotate_store)(qkv + b * width, cis + b * D, loc[b], kb, vb, ks, vs,
+                            q + b * H * D, H, Hkv, D);
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t i = 0; i < B * per; i++) {
+        int64_t j0, j1;
+        const int64_t b = ENTRY(item_heads)(i, per, Hkv, &j0, &j1);
+        ENTRY(attend_item)(q + b * H * D, kb, vb, ks, vs,
+                           req_to_token + req_slots[b] * r2t_stride, seq_lens[b],
+                           out + b * H * D, H, Hkv, j0, j1, D, scale);
     }
     free(q);
 }

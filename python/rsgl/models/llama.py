@@ -430,10 +430,11 @@ class LlamaForCausalLM(nn.Module):
     def _decode_stack_step(
         self, hidden: torch.Tensor, cis: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend
     ) -> torch.Tensor | None:
-        """The final-normed states of a small decode-only batch, through every layer in one
-        C call (`rsgl.layers.decode_stack`: the same kernels, the same numbers), or None
-        where the layer-by-layer path must run."""
-        if not isinstance(attn, TorchNativeAttnBackend) or batch.logit_rows is not None:
+        """The final-normed states of a small decode-only batch, or of a verify step's tokens
+        as decode rows (`decode_stack_step`: then every token is a row the LM head reads),
+        through every layer in one C call (`rsgl.layers.decode_stack`: the same kernels,
+        the same numbers), or None where the layer-by-layer path must run."""
+        if not isinstance(attn, TorchNativeAttnBackend):
             return None
         stack = self._decode_stack(attn, hidden.dtype)
         if stack is None or hidden.shape[0] > stack.max_rows:

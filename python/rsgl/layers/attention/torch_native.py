@@ -162,19 +162,28 @@ class TorchNativeAttnBackend(AttentionBackend):
     def decode_stack_step(
         self, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """For a decode-only batch that the fused decode kernel serves: (out_cache_loc,
-        req_to_token, request slots, sequence lengths), what `rsgl_decode_stack` reads for
-        every layer's attention (`forward_decode_qkv` reads the same). Else None."""
+        """For a batch that the fused decode kernel serves, one row per token: (out_cache_loc,
+        req_to_token, each row's request slot, each row's sequence length), what
+        `rsgl_decode_stack` reads for every layer's attention (`forward_decode_qkv` reads
+        the same for a decode-only batch). Else None.
+
+        A decode-only batch has a row per request. So does a verify step (every extend is a
+        request's last token and its drafts) once each of its tokens is a row of its own, at
+        sequence length position + 1: the decode step at that position, whose logits the
+        verify computes, so that the target's tokens are the ones decoding without drafts
+        would give, bit for bit."""
         meta = batch.attn_metadata
-        if self.decode_kernel is None or batch.num_extends or not batch.num_decodes:
+        if self.decode_kernel is None or not batch.num_tokens:
             return None
         assert isinstance(meta, _TorchNativeMetadata), "prepare(batch) was not called"
-        return (
-            batch.out_cache_loc,
-            self.req_to_token.req_to_token,
-            meta.decode_req_slots,
-            meta.decode_seq_lens,
-        )
+        table = self.req_to_token.req_to_token
+        if not batch.num_extends:
+            return batch.out_cache_loc, table, meta.decode_req_slots, meta.decode_seq_lens
+        drafts = batch.draft_lens_host
+        if drafts is None or not np.array_equal(batch.extend_lens_host, drafts + 1):
+            return None
+        self._check_decode_bounds(batch)
+        return batch.out_cache_loc, table, batch.token_req_slots(), batch.positions + 1
 
     def layer_caches(
         self, layer_id: int
