@@ -377,9 +377,10 @@ class EngineArgs:
             )
         if standalone and self.load_format == "null":
             raise ValueError("STANDALONE speculation needs a model (load_format null has none)")
-        if self.speculative_algorithm is not None and self.tp_size > 1:
+        if standalone and self.tp_size > 1:
             raise ValueError(
-                "speculative_algorithm with tp_size > 1 is not supported yet (use dp_size)"
+                "speculative_algorithm STANDALONE with tp_size > 1 is not supported yet (its "
+                "draft model is not sharded; use NGRAM, or dp_size)"
             )
 
     @property

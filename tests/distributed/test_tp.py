@@ -1,4 +1,5 @@
-"""Tensor parallelism on the embedded SmolLM2 (CPU, gloo): TP=2 against TP=1.
+"""Tensor parallelism on the embedded SmolLM2 (CPU, gloo): TP=2 against TP=1 (with n-gram
+speculation too).
 
 SmolLM2 has 9 query heads over 3 KV heads, so at tp_size 2 the ranks hold 2 and 1 KV heads
 (6 and 3 query heads). Every engine here shares the options below: float32, radix cache on,
@@ -24,7 +25,9 @@ import pytest
 import torch
 
 import rsgl
+from rsgl._core import Plan
 from rsgl.model_executor.model_runner import ModelRunner
+from rsgl.model_executor.tp_worker import StepMessage, decode_message, encode_step, plan_of
 from rsgl.sampling_params import SamplingParams
 
 OPTIONS: dict[str, Any] = {
@@ -191,6 +194,47 @@ def assert_same_tokens_or_near_tie(ref: dict[str, Any], out: dict[str, Any]) -> 
     assert gap < NEAR_TIE, f"TP=2 diverged at token {i} ({a[i]} vs {b[i]}); TP=1 gap {gap}"
 
 
+def test_a_step_message_carries_every_array_of_its_plan() -> None:
+    # A verify step of two requests (2 and 0 drafts) after an extend: each array distinct.
+    plan = Plan(
+        id=7,
+        forward_mode="decode",
+        rids=[11, 12],
+        req_slots=[3, 5],
+        prefix_lens=[0, 0],
+        extend_lens=[3, 1],
+        seq_lens=[40, 9],
+        sample=[True, False],
+        input_ids=[101, 102, 103, 104],
+        positions=[37, 38, 39, 8],
+        out_cache_loc=[60, 61, 62, 70],
+        write_rows=[3, 3, 3, 5],
+        write_cols=[37, 38, 39, 8],
+        write_slots=[60, 61, 62, 70],
+        draft_lens=[2, 0],
+    )
+    message = decode_message(encode_step(plan, []))
+    assert isinstance(message, StepMessage)
+    got = plan_of(message)
+    assert (got.id, got.forward_mode, got.num_extends) == (plan.id, "decode", plan.num_extends)
+    for name in [
+        "rids",
+        "req_slots",
+        "prefix_lens",
+        "extend_lens",
+        "seq_lens",
+        "draft_lens",
+        "sample",
+        "input_ids",
+        "positions",
+        "out_cache_loc",
+        "write_rows",
+        "write_cols",
+        "write_slots",
+    ]:
+        assert np.array_equal(getattr(got, name), getattr(plan, name)), name
+
+
 def test_a_split_tp2_cannot_make_is_refused_before_any_process_starts() -> None:
     before = child_pids()
     with pytest.raises(ValueError, match=r"9 query heads over 3 KV heads"):
@@ -295,3 +339,27 @@ def test_an_int8_kv_cache_shards_like_tp1s(reference: dict[str, Any]) -> None:
     # Near the float32 cache's logits too (a rank reading the wrong scales would not be).
     assert (two - reference["logits"]).abs().max().item() < 1.0
     assert all(len(o["output_ids"]) == GREEDY["max_new_tokens"] for o in outs)
+
+
+def test_ngram_speculation_keeps_tp1s_tokens(reference: dict[str, Any]) -> None:
+    # A verify step gathers its logits on every rank, so every rank accepts the same drafts
+    # and samples the same next token (seeded, under the same penalties and grammar mask),
+    # and its request state stays rank 0's for the steps after it. Drafting on every step
+    # (not adaptive), so that every kind of request verifies drafts here.
+    spec = {"speculative_algorithm": "NGRAM", "disable_speculative_adaptive": True}
+    with rsgl.Engine(tp_size=2, **OPTIONS, **spec) as engine:
+        rounds = generate_twice(engine)
+        sampled = engine.generate(PROMPTS[: len(SAMPLED)], SAMPLED)
+        constrained = engine.generate(CONSTRAINED_PROMPTS, CONSTRAINED)
+        engine.check_integrity()
+        stats = engine.get_server_info()["speculative"]
+    for ref_round, got_round in zip(reference["rounds"], rounds, strict=True):
+        for ref, out in zip(ref_round, got_round, strict=True):
+            assert len(out["output_ids"]) == GREEDY["max_new_tokens"]
+            assert_same_tokens_or_near_tie(ref, out)
+    assert [o["output_ids"] for o in sampled] == [o["output_ids"] for o in reference["sampled"]]
+    check_constrained(constrained)
+    assert [o["output_ids"] for o in constrained] == [
+        o["output_ids"] for o in reference["constrained"]
+    ]
+    assert stats["spec_verify_steps"] > 0 and stats["spec_accept_length"] > 1.2, stats

@@ -1,39 +1,42 @@
-"""DraftPolicy: each batch-size group drafts while its verify steps cost less per committed
-token than its plain steps, measures both ways first (not the step that changes ways), and
-re-tries the losing way, less often while the tries confirm the choice."""
+"""DraftPolicy: each batch-size group measures every draft limit of its ladder first, then
+runs the one with the least expected seconds per committed token (seconds per request at
+that limit over 1 + the shares of requests reaching each draft), tries its neighbours on the
+ladder less often while the tries confirm the choice, and follows a changed workload."""
 
 from __future__ import annotations
 
 import pytest
 
-from rsgl.speculative.policy import TRY_STEPS, DraftPolicy
+from rsgl.speculative.policy import TRY_STEPS, DraftPolicy, ladder
+
+# Seconds per request of a step at each draft limit (plain steps overlap: cheapest).
+SECONDS = {0: 1.0, 1: 1.3, 2: 1.5, 4: 2.2}
 
 
 def test_groups_are_power_of_two_ceilings() -> None:
-    assert [DraftPolicy.group_of(b) for b in (1, 2, 3, 4, 5, 8, 9, 64, 65)] == [
-        1,
-        2,
-        4,
-        4,
-        8,
-        8,
-        16,
-        64,
-        128,
-    ]
+    sizes = (1, 2, 3, 4, 5, 8, 9, 64, 65)
+    assert [DraftPolicy.group_of(b) for b in sizes] == [1, 2, 4, 4, 8, 8, 16, 64, 128]
+
+
+def test_the_ladder_is_plain_the_powers_of_two_below_the_maximum_and_the_maximum() -> None:
+    assert ladder(1) == [0, 1]
+    assert ladder(2) == [0, 1, 2]
+    assert ladder(4) == [0, 1, 2, 4]
+    assert ladder(7) == [0, 1, 2, 4, 7]
+    assert ladder(8) == [0, 1, 2, 4, 8]
 
 
 def _steps(
-    policy: DraftPolicy, batch: int, verify_cost: float, plain_cost: float, n: int
+    policy: DraftPolicy, batch: int, accepts: int, n: int, seconds: dict[int, float] = SECONDS
 ) -> list[int]:
-    """Runs n decode steps of `batch` requests; a step's cost per token is fixed by its kind."""
+    """Runs n decode steps of `batch` requests in which every request accepts `accepts`
+    drafts (or as many as the step's limit allows); a step's seconds are fixed by its limit."""
     limits = []
     for _ in range(n):
         limit = policy.draft_limit()
         limits.append(limit)
-        drafted = limit > 0
-        cost = verify_cost if drafted else plain_cost
-        policy.observe(batch, drafted, cost * batch, batch)
+        accepted = [min(limit, accepts)] * batch if limit else None
+        policy.observe(batch, limit, seconds[limit] * batch, accepted)
     return limits
 
 
@@ -50,31 +53,71 @@ def _runs(limits: list[int], value: int) -> list[tuple[int, int]]:
     return runs
 
 
-def test_measures_both_ways_then_keeps_the_cheaper_and_explores() -> None:
+def test_a_cost_is_seconds_per_request_over_one_plus_the_reach_of_each_draft() -> None:
+    policy = DraftPolicy(max_drafts=4)
+    # Four requests accept 3, 0, 1 and 0 drafts: half reach the first draft, a quarter the
+    # second and the third, none the fourth; a request commits 2 tokens on average.
+    policy.observe(4, 4, 4.0, [3, 0, 1, 0])
+    assert policy.summary()["4"] == {"4": pytest.approx(1.0 / 2.0)}
+    # A limit below the one in use is costed from the same reaches once its seconds are
+    # known: 2 drafts would commit 1 + 0.5 + 0.25 tokens per request.
+    policy.observe(4, 2, 3.0, [2, 0, 1, 0])
+    costs = policy.summary()["4"]
+    assert costs["2"] == pytest.approx(0.75 / (1 + 0.5 + 0.25))
+
+
+def test_measures_every_rung_then_keeps_the_cheapest_and_tries_its_neighbours() -> None:
     policy = DraftPolicy(max_drafts=4, explore_every=8)
-    limits = _steps(policy, 1, verify_cost=0.5, plain_cost=1.0, n=40)
-    # Drafting first, then plain: the change (not measured), then a measured step.
-    assert limits[:4] == [4, 0, 0, 4]
-    tries = _runs(limits[3:], 0)
-    assert tries and all(length == TRY_STEPS for _, length in tries)  # only the tries
-    # Drafting now costs more per token: the group stops drafting (but still explores).
-    limits = _steps(policy, 1, verify_cost=2.0, plain_cost=1.0, n=40)
-    assert limits[-16:].count(4) <= TRY_STEPS
+    # Every request accepts 2 drafts: costs 1.0 plain, 0.65 at 1, 0.5 at 2, 0.73 at 4.
+    limits = _steps(policy, 1, accepts=2, n=80)
+    # Top down (the maximum measures every reach), plain last: a try of TRY_STEPS each.
+    assert limits[: 4 * TRY_STEPS] == [r for r in (4, 2, 1, 0) for _ in range(TRY_STEPS)]
+    rest = limits[4 * TRY_STEPS :]
+    assert rest[0] == 2 and set(rest) == {1, 2, 4}  # plain is no neighbour of the choice
+    tries = _runs(rest, 1) + _runs(rest, 4)
+    assert len(tries) >= 3 and all(length == TRY_STEPS for _, length in tries)
+    assert abs(len(_runs(rest, 1)) - len(_runs(rest, 4))) <= 1  # above and below in turn
+    assert rest.count(2) > 0.7 * len(rest)
+
+
+def test_acceptance_seen_at_a_higher_limit_turns_the_choice_down_without_a_try() -> None:
+    policy = DraftPolicy(max_drafts=4, explore_every=10_000)
+    _steps(policy, 1, accepts=2, n=4 * TRY_STEPS + 1)
+    assert policy.draft_limit() == 2
+    # Requests now accept one draft: at limit 2 the reach of the second draft falls, and
+    # limit 1 (seconds 1.3 for 2 tokens against 1.5) wins on the steps at limit 2 alone.
+    limits = _steps(policy, 1, accepts=1, n=60)
+    turned = limits.index(1)
+    assert 5 < turned < 40 and set(limits[turned:]) == {1}
+
+
+def test_a_changed_workload_is_followed_to_the_new_cheapest_rung() -> None:
+    policy = DraftPolicy(max_drafts=4, explore_every=8)
+    _steps(policy, 1, accepts=4, n=40)
+    assert policy.draft_limit() == 4  # 2.2 / 5 = 0.44 a token
+    # Drafts stop being accepted: plain wins, and only its neighbour is tried.
+    limits = _steps(policy, 1, accepts=0, n=200)
+    settled = limits[-60:]
+    assert set(settled) <= {0, 1} and settled.count(0) >= 60 - 3 * TRY_STEPS
+    # And back: every draft accepted again. The tries of limit 1 see it, then 2's, then 4's.
+    limits = _steps(policy, 1, accepts=4, n=400)
+    assert limits[-60:].count(4) >= 60 - 3 * TRY_STEPS
 
 
 def test_tries_grow_rarer_while_they_confirm_the_choice_and_reset_when_it_turns() -> None:
-    policy = DraftPolicy(max_drafts=4, explore_every=8, max_explore_every=64)
-    limits = _steps(policy, 1, verify_cost=0.5, plain_cost=1.0, n=320)
+    seconds = {0: 1.0, 1: 1.2}
+    policy = DraftPolicy(max_drafts=1, explore_every=8, max_explore_every=64)
+    limits = _steps(policy, 1, accepts=1, n=400, seconds=seconds)  # 0.6 a token drafting
     starts = [start for start, _ in _runs(limits, 0)][1:]  # after the first measurement
     gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     assert gaps[:3] == sorted(gaps[:3]) and gaps[1] >= 2 * gaps[0] - TRY_STEPS
     assert max(gaps) <= 64 + TRY_STEPS and gaps[-1] == gaps[-2]  # capped
     # Drafts stop paying: the choice turns within a few steps, and the tries of drafting
     # come within `explore_every` steps again, then rarer as they confirm the new choice.
-    limits = _steps(policy, 1, verify_cost=2.0, plain_cost=1.0, n=200)
-    drafting = _runs(limits, 4)
+    limits = _steps(policy, 1, accepts=0, n=300, seconds=seconds)
+    drafting = _runs(limits, 1)
     turned = drafting[0][0] + drafting[0][1]  # the end of the drafting it was doing
-    assert turned <= 6
+    assert turned <= 40  # the reach of a draft falls from 1 to 0.2 in ~31 steps
     tries = drafting[1:]
     assert tries[0][0] - turned <= 8 + TRY_STEPS
     assert all(length == TRY_STEPS for _, length in tries[:-1])  # the last may be cut off
@@ -82,69 +125,39 @@ def test_tries_grow_rarer_while_they_confirm_the_choice_and_reset_when_it_turns(
     assert starts[2] - starts[1] > starts[1] - starts[0]
 
 
-def test_steps_after_a_change_of_way_are_not_measured() -> None:
+def test_steps_after_a_change_between_drafting_and_plain_add_no_seconds() -> None:
     # A plain step right after a verify has nothing to overlap: its cost is not plain's.
     policy = DraftPolicy(max_drafts=4)
-    policy.observe(1, True, 1.0, 2)
-    policy.observe(1, False, 100.0, 1)  # the change: ignored
-    assert policy.summary()["1"] == {"verify_s_per_token": 0.5, "plain_s_per_token": None}
-    policy.observe(1, False, 0.4, 1)
-    assert policy.summary()["1"]["plain_s_per_token"] == 0.4
+    policy.observe(1, 4, 1.0, [1])
+    policy.observe(1, 0, 100.0)  # the change: no seconds
+    assert policy.summary()["1"] == {"4": 0.5}
+    policy.observe(1, 0, 0.4)
+    assert policy.summary()["1"] == {"0": 0.4, "4": 0.5}
+    policy.observe(1, 2, 100.0, [1])  # the change back: its acceptance counts, not its time
+    policy.observe(1, 1, 0.6, [1])  # between drafting limits: no change of way
+    assert policy.summary()["1"] == {"0": 0.4, "1": 0.3, "4": 0.5}
 
 
 def test_each_batch_size_group_decides_for_itself() -> None:
     policy = DraftPolicy(max_drafts=2, explore_every=1000)
-    _steps(policy, 1, verify_cost=0.5, plain_cost=1.0, n=4)
-    _steps(policy, 64, verify_cost=3.0, plain_cost=1.0, n=4)
-    policy.observe(1, False, 1.0, 1)
-    assert policy.draft_limit() == 2  # batch 1: drafting is cheaper
-    policy.observe(64, False, 64.0, 64)
+    _steps(policy, 1, accepts=2, n=3 * TRY_STEPS)  # 1.5 / 3 a token at limit 2
+    _steps(policy, 64, accepts=2, n=3 * TRY_STEPS, seconds={0: 1.0, 1: 2.5, 2: 4.0})
+    policy.batch = 1
+    assert policy.draft_limit() == 2
+    policy.batch = 64
     assert policy.draft_limit() == 0  # batch 64: plain is cheaper
     assert set(policy.summary()) == {"1", "64"}
 
 
-def test_a_step_that_committed_nothing_changes_no_average() -> None:
-    policy = DraftPolicy(max_drafts=3)
-    policy.observe(4, True, 1.0, 0)
-    assert policy.summary() == {}
-    assert policy.batch == 4
-
-
-def test_a_policy_that_is_not_adaptive_always_drafts() -> None:
-    policy = DraftPolicy(max_drafts=3, adaptive=False)
-    assert _steps(policy, 8, verify_cost=5.0, plain_cost=1.0, n=100) == [3] * 100
-
-
-def test_a_way_costs_its_seconds_over_its_tokens_not_an_average_of_step_ratios() -> None:
-    # Drafting: a verify committing 5 tokens in 50 ms, then a step whose request paused its
-    # drafts (1 token, 40 ms, nothing to overlap): 90 ms for 6 tokens, 15 ms each, cheaper
-    # than plain's 20 ms (the mean of the steps' ratios, 25 ms, would say otherwise).
-    policy = DraftPolicy(max_drafts=4, explore_every=1000)
-    for _ in range(20):
-        policy.observe(1, True, 0.050, 5)
-        policy.observe(1, True, 0.040, 1)
-    policy.observe(1, False, 0.020, 1)  # the change of way: not measured
-    for _ in range(5):
-        policy.observe(1, False, 0.020, 1)
-    costs = policy.summary()["1"]
-    assert costs["plain_s_per_token"] == pytest.approx(0.020)
-    assert 0.013 < costs["verify_s_per_token"] < 0.017  # type: ignore[operator]
-    assert policy.draft_limit() == 4
-
-
-def test_steps_planned_to_draft_without_drafts_count_only_until_a_verify_is_seen() -> None:
-    # Nobody drafts (every request constrained, say): those steps are the drafting way's
-    # cost, which loses to overlapped plain steps, so the group turns plain.
+def test_a_workload_that_never_drafts_turns_plain() -> None:
+    # No request drafts (all constrained, say): a step planned to draft is a plain step
+    # that did not overlap, and commits one token per request.
     policy = DraftPolicy(max_drafts=4)
-    policy.observe(8, True, 0.030, 8, drafted=False)
-    policy.observe(8, False, 0.020, 8)  # the change
-    policy.observe(8, False, 0.020, 8)
-    policy.batch = 8
-    assert policy.draft_limit() == 0
-    # Once a verify is measured, a step whose requests all paused their drafts does not
-    # dilute it.
-    policy = DraftPolicy(max_drafts=4)
-    policy.observe(8, True, 0.040, 32, drafted=True)
-    verify = policy.summary()["8"]["verify_s_per_token"]
-    policy.observe(8, True, 0.030, 8, drafted=False)
-    assert policy.summary()["8"]["verify_s_per_token"] == verify
+    limits = _steps(policy, 8, accepts=0, n=40, seconds={0: 1.0, 1: 1.1, 2: 1.1, 4: 1.1})
+    assert set(limits[4 * TRY_STEPS :]) <= {0, 1} and limits[-1] == 0
+
+
+def test_a_policy_that_is_not_adaptive_always_drafts_the_maximum() -> None:
+    policy = DraftPolicy(max_drafts=4, adaptive=False)
+    seconds = {0: 1.0, 4: 5.0}
+    assert _steps(policy, 8, accepts=0, n=100, seconds=seconds) == [4] * 100

@@ -361,7 +361,7 @@ class ModelRunner:
         self.attn.prepare(batch)
         tp = self.loaded.tp
         greedy = tp is not None and plain_greedy(self.sampling, batch.req_slots_host)
-        if tp is not None and greedy and not return_logits:
+        if tp is not None and greedy and not return_logits and not verify:
             # Greedy under tensor parallelism: the ranks exchange their best (value, id)
             # per row instead of all-gathering the logits (SmolLM2 at batch 64 over gloo:
             # a [64, 2] gather instead of 2 x [64, 24576] floats, ~15 ms). Grammar rows

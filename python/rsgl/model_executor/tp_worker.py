@@ -75,8 +75,8 @@ class StepMessage(msgspec.Struct, tag="step", array_like=True):
     """One plan, as flat int64 arrays in one buffer, with the step's admissions.
 
     `ints` holds, in order, the per-request arrays (rids, req_slots, prefix_lens,
-    extend_lens, seq_lens: `batch_size` each), the per-token arrays (input_ids, positions,
-    out_cache_loc: `num_tokens` each) and the req_to_token writes (rows, cols, slots:
+    extend_lens, seq_lens, draft_lens: `batch_size` each), the per-token arrays (input_ids,
+    positions, out_cache_loc: `num_tokens` each) and the req_to_token writes (rows, cols, slots:
     `num_writes` each); `sample` is the per-request bool array. `return_logits` is part of
     the step: with it every rank gathers the whole logits, without it a greedy batch
     gathers only each rank's best (value, id), and the ranks' collectives must match.
@@ -120,6 +120,7 @@ def encode_step(
             plan.prefix_lens,
             plan.extend_lens,
             plan.seq_lens,
+            plan.draft_lens,
             plan.input_ids,
             plan.positions,
             plan.out_cache_loc,
@@ -154,8 +155,9 @@ def plan_of(message: StepMessage) -> Plan:
     """The plan a step message carries, rebuilt as rank 0's core made it."""
     b, t, w = message.batch_size, message.num_tokens, message.num_writes
     ints = np.frombuffer(message.ints, dtype=np.int64)
-    cuts = np.cumsum([b, b, b, b, b, t, t, t, w, w, w])
-    rids, slots, prefix, extend, seq, ids, pos, loc, rows, cols, kv = np.split(ints, cuts[:-1])
+    cuts = np.cumsum([b, b, b, b, b, b, t, t, t, w, w, w])
+    arrays = np.split(ints, cuts[:-1])
+    rids, slots, prefix, extend, seq, drafts, ids, pos, loc, rows, cols, kv = arrays
     return Plan(
         id=message.plan_id,
         forward_mode=message.forward_mode,  # type: ignore[arg-type]
@@ -172,6 +174,7 @@ def plan_of(message: StepMessage) -> Plan:
         write_cols=cols,
         write_slots=kv,
         num_extends=message.num_extends,
+        draft_lens=drafts,
     )
 
 

@@ -655,6 +655,7 @@ class SchedulerLoop:
         done_at, previous_done = time.perf_counter(), self._last_step_done
         self._last_step_done = done_at
         self._failures_in_a_row = 0
+        accept_lens = None
         if out.accept_lens is None:
             outcome = self.core.commit(launched.plan.id, tokens)
         else:  # a verify step: each request's accepted drafts and its next token
@@ -668,10 +669,9 @@ class SchedulerLoop:
         if self.draft_policy is not None and plan.forward_mode == "decode":
             self.draft_policy.observe(
                 len(plan.rids),
-                drafting=launched.draft_limit > 0,
-                drafted=bool(plan.draft_lens.any()),
+                limit=launched.draft_limit,
                 seconds=seconds,
-                tokens=len(outcome.tokens),
+                accepted=None if accept_lens is None else (accept_lens - 1).tolist(),
             )
         if self._step_log is not None:
             record = dataclasses.asdict(StepShape.of(plan))

@@ -1,94 +1,125 @@
-"""When speculation pays: a per-batch-size choice from the step costs the loop measures.
+"""When speculation pays, and how far: a per-batch-size choice of the drafts per request,
+from what the loop measures.
 
 A verify step computes 1 + k tokens per drafting request and commits each one's accepted
 drafts plus one token; a plain decode step computes and commits one token per request. Which
-is cheaper per committed token depends on the machine (on a CPU a verify of 5 tokens at batch
-1 costs ~1.3-2.4x a decode, at batch 64 ~3x), on the batch size and on how often the
-workload's drafts are accepted, so it is measured rather than assumed. Decode steps are
-grouped by batch size (powers of two), and for each group the seconds per committed token of
-each way of running are kept as an exponential average of step seconds over one of step
-tokens (a ratio of averages: drafting steps commit 1 to k + 1 tokens each, and an average
-of per-step ratios would weigh a step that committed one token as much as one that
-committed five). The two ways: drafting (steps planned with a draft
-limit, which wait for the step before them, whether or not any request found drafts) and
-plain (steps that overlap). A step just after a change of way is not measured: it pays the
-change (a plain step after a verify has nothing to overlap with). A group drafts while
-drafting costs less per token; a group without both figures tries each, and the losing way
-is tried again (two steps: the change, then one measured) every `explore_every` steps of the
-group, so that a change in the workload (drafts accepted more or less often) is noticed. A
-try that confirms the choice doubles the group's interval (up to `max_explore_every`: at
-batch 64 a verify step costs ~3 plain ones); a turn of the choice resets it.
+k is cheapest per committed token depends on the machine (on a CPU a verify of 5 tokens per
+request costs ~1.5x a decode at batch 1 but ~3.8x at batch 4, where 2 tokens per request
+cost ~1.5x), on the batch size and on how often the workload's drafts are accepted, so it is
+measured rather than assumed. Decode steps are grouped by batch size (powers of two), and
+each group chooses among the draft limits of a ladder (0, the powers of two below the
+configured maximum, the maximum) the one whose expected seconds per committed token,
+
+    cost(k) = seconds per request of a step at limit k / (1 + reach_1 + ... + reach_k),
+
+is least. The seconds are an exponential average per limit (they depend on the machine and
+the batch, and hardly vary from step to step); reach_j is the share of requests that accept
+at least j drafts at steps that allow j, averaged over every such step (a request accepts
+its j-th draft under a limit of k >= j exactly when it would under any other: n-gram and
+draft-model proposals of a lower limit are a prefix of a higher one's). So the acceptance
+that decides between the limits up to the one in use is measured on every step, not only
+when each limit runs, and a share per request varies far less than a step's committed tokens
+(1 to k + 1 at batch 1). Requests that do not draft (paused after rejections, constrained,
+no match) count as accepting none.
+
+Steps planned with a draft limit wait for the step before them (whether or not any request
+found drafts); plain steps (limit 0) overlap. A step just after a change between the two
+adds no seconds: it pays the change (a plain step after a verify has nothing to overlap
+with). A group first tries every rung of its ladder (the maximum first, which measures
+every reach; plain last), then runs the cheapest, and tries a neighbour of it on the ladder
+(above and below in turn: `TRY_STEPS` steps) every `explore_every` steps of the group, so
+that the reach above the choice and the seconds of its neighbours stay fresh and a change in
+the workload is followed a rung at a time. A try that leaves the choice as it was doubles
+the group's interval (up to `max_explore_every`: at batch 64 a verify step costs ~3 plain
+ones); a turn of the choice resets it.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-# Weight of the newest step in a group's averages.
+# Weight of the newest step in a limit's seconds, and in a reach (a share of the step's
+# requests: noisy at small batches); a new average weighs its first steps 1/n each.
 ALPHA = 0.2
-# Steps of a try of the other way: the change, then one measured step.
-TRY_STEPS = 2
+REACH_ALPHA = 0.05
+# Steps of a try of a draft limit (the first is the change between drafting and plain, if
+# it is one).
+TRY_STEPS = 3
+
+
+def ladder(max_drafts: int) -> list[int]:
+    """The draft limits a policy chooses among: 0, the powers of two below `max_drafts`,
+    and `max_drafts`."""
+    rungs = [0]
+    while 2 * rungs[-1] < max_drafts:
+        rungs.append(max(1, 2 * rungs[-1]))
+    return sorted({*rungs, max_drafts}) if max_drafts > 0 else [0]
 
 
 @dataclass(slots=True)
-class _Way:
-    """The exponential averages of one way's step seconds and step tokens."""
+class _Average:
+    """An exponential average that weighs its first samples 1/n each (no bias to 0)."""
 
-    seconds: float
-    tokens: float
+    value: float = 0.0
+    count: int = 0
 
-    def add(self, seconds: float, tokens: int) -> None:
-        self.seconds += ALPHA * (seconds - self.seconds)
-        self.tokens += ALPHA * (tokens - self.tokens)
-
-    @property
-    def cost(self) -> float:
-        """Seconds per committed token."""
-        return self.seconds / self.tokens
+    def add(self, sample: float, alpha: float) -> None:
+        self.count += 1
+        self.value += max(alpha, 1.0 / self.count) * (sample - self.value)
 
 
 @dataclass(slots=True)
 class _Group:
-    """One batch-size group's ways (None: not measured yet), the steps between tries of the
-    way it does not choose (0: `explore_every`), the steps since the last try, and the steps
-    left of a try under way."""
+    """One batch-size group's seconds per request by draft limit and its reaches
+    (`reach[j]`: the share of requests accepting more than j drafts), the steps between
+    tries of a neighbour of its choice (0: `explore_every`), the steps since the last try,
+    the limit under a try (None: none) and the try's steps left, whether the try judges the
+    choice (a neighbour's try, not a first measurement) and whether the choice turned during
+    it, and which neighbour (above or below) the next try takes."""
 
-    drafting: _Way | None = None
-    plain_way: _Way | None = None
+    seconds: dict[int, _Average] = field(default_factory=dict)
+    reach: list[_Average] = field(default_factory=list)
     interval: int = 0
     since_try: int = 0
+    trial: int | None = None
     trying: int = 0
+    judging: bool = False
+    turned: bool = False
+    upward: bool = True
 
-    @property
-    def verify(self) -> float | None:
-        return None if self.drafting is None else self.drafting.cost
+    def cost(self, limit: int) -> float | None:
+        """Expected seconds per committed token at `limit` (None: not measured yet)."""
+        seconds = self.seconds.get(limit)
+        if seconds is None or len(self.reach) < limit:
+            return None
+        return seconds.value / (1.0 + sum(r.value for r in self.reach[:limit]))
 
-    @property
-    def plain(self) -> float | None:
-        return None if self.plain_way is None else self.plain_way.cost
-
-    def add(self, drafting: bool, seconds: float, tokens: int) -> None:
-        """One step, into the averages of its way."""
-        way = self.drafting if drafting else self.plain_way
-        if way is not None:
-            way.add(seconds, tokens)
-        elif drafting:
-            self.drafting = _Way(seconds, tokens)
-        else:
-            self.plain_way = _Way(seconds, tokens)
+    def chosen(self, rungs: list[int]) -> int | None:
+        """The rung that costs least per committed token (None: one is not measured)."""
+        costs = [self.cost(r) for r in rungs]
+        if any(c is None for c in costs):
+            return None
+        return rungs[costs.index(min(c for c in costs if c is not None))]
 
 
 @dataclass(slots=True)
 class DraftPolicy:
-    """Chooses each decode step's draft limit (`max_drafts` or 0) from measured costs."""
+    """Chooses each decode step's draft limit (a rung of `ladder(max_drafts)`) from
+    measured costs."""
 
     max_drafts: int
-    adaptive: bool = True  # False: every step may draft (SGLang's behaviour)
+    adaptive: bool = True  # False: every step may draft `max_drafts` (SGLang's behaviour)
     explore_every: int = 64
-    max_explore_every: int = 1024
+    max_explore_every: int = 256
     groups: dict[int, _Group] = field(default_factory=dict)
     batch: int = 1  # the last decode step's batch size: the next one's best guess
-    _last_way: bool | None = None  # whether the last observed step was planned to draft
+    rungs: list[int] = field(init=False)
+    _last_limit: int | None = None  # the draft limit the last observed step was planned with
+
+    def __post_init__(self) -> None:
+        self.rungs = ladder(self.max_drafts)
 
     @staticmethod
     def group_of(batch: int) -> int:
@@ -100,54 +131,66 @@ class DraftPolicy:
         if not self.adaptive:
             return self.max_drafts
         group = self.groups.setdefault(self.group_of(self.batch), _Group())
-        if group.verify is None:
-            return self.max_drafts
-        if group.plain is None:
-            return 0
-        speculate = group.verify < group.plain
         if group.trying > 0:
             group.trying -= 1
-            speculate = not speculate
-        else:
-            group.since_try += 1
-            if group.since_try >= (group.interval or self.explore_every):
-                group.since_try, group.trying = 0, TRY_STEPS - 1
-                speculate = not speculate  # keep the other figure fresh
-        return self.max_drafts if speculate else 0
+            assert group.trial is not None
+            return group.trial
+        if group.trial is not None:  # a try ended: did it leave the choice as it was?
+            if group.judging and not group.turned:
+                interval = 2 * (group.interval or self.explore_every)
+                group.interval = min(interval, self.max_explore_every)
+            group.trial = None
+        chosen = group.chosen(self.rungs)
+        if chosen is None:  # from the top down, plain last (one change of way)
+            unmeasured = [r for r in self.rungs if group.cost(r) is None]
+            return self._try(group, max(unmeasured), judging=False)
+        group.since_try += 1
+        if group.since_try < (group.interval or self.explore_every):
+            return chosen
+        at = self.rungs.index(chosen)
+        neighbours = self.rungs[max(0, at - 1) : at] + self.rungs[at + 1 : at + 2]
+        trial = neighbours[-1] if group.upward else neighbours[0]
+        group.upward = not group.upward
+        return self._try(group, trial, judging=True)
+
+    @staticmethod
+    def _try(group: _Group, limit: int, judging: bool) -> int:
+        """Starts a try of `limit` and returns it."""
+        group.trial, group.trying, group.since_try = limit, TRY_STEPS - 1, 0
+        group.judging, group.turned = judging, False
+        return limit
 
     def observe(
-        self, batch: int, drafting: bool, seconds: float, tokens: int, drafted: bool | None = None
+        self, batch: int, limit: int, seconds: float, accepted: Sequence[int] | None = None
     ) -> None:
-        """A decode step of `batch` requests, planned to draft or not (and whether any
-        request drafted; None: as planned), took `seconds` and committed `tokens`. A step
-        planned to draft in which no request drafted (all paused, constrained or without a
-        match) counts for the drafting way only until the group has seen a verify: so that
-        a workload that never drafts turns plain (and overlaps), while a verify's cost is
-        not diluted by its paused neighbours (each request's pause is its own decision)."""
+        """A decode step of `batch` requests, planned with draft limit `limit`, took
+        `seconds`, and its requests accepted `accepted` drafts each (None: none)."""
         self.batch = batch
-        changed = self._last_way is not None and drafting != self._last_way
-        self._last_way = drafting
-        if tokens <= 0 or changed:
+        last, self._last_limit = self._last_limit, limit
+        if batch <= 0:
             return
         group = self.groups.setdefault(self.group_of(batch), _Group())
-        if drafting and drafted is False and group.verify is not None:
-            return
-        if group.verify is None or group.plain is None:
-            group.add(drafting, seconds, tokens)
-            return
-        chosen = group.verify < group.plain  # whether the group drafts now
-        group.add(drafting, seconds, tokens)
-        if (group.verify < group.plain) != chosen:  # the choice turns: watch it closely
-            group.interval, group.since_try, group.trying = self.explore_every, 0, 0
-        elif drafting != chosen:  # a try of the other way confirmed the choice
-            group.interval = min(2 * (group.interval or self.explore_every), self.max_explore_every)
+        before = group.chosen(self.rungs)
+        counts = sorted(accepted) if accepted is not None else [0] * batch
+        while len(group.reach) < limit:
+            group.reach.append(_Average())
+        for j in range(limit):  # the share of requests that accepted more than j drafts
+            # Reaches above the choice are measured by tries only: their steps weigh more.
+            alpha = ALPHA if before is not None and j >= before else REACH_ALPHA
+            group.reach[j].add(1.0 - bisect_right(counts, j) / batch, alpha)
+        if last is None or (last > 0) == (limit > 0):  # not the step of a change of way
+            group.seconds.setdefault(limit, _Average()).add(seconds / batch, ALPHA)
+        after = group.chosen(self.rungs)
+        if before is not None and after != before:  # the choice turns: watch it closely
+            group.interval, group.since_try, group.turned = self.explore_every, 0, True
 
-    def summary(self) -> dict[str, dict[str, float | None]]:
-        """Each group's seconds per committed token drafting and plain."""
-        return {
-            str(size): {"verify_s_per_token": g.verify, "plain_s_per_token": g.plain}
-            for size, g in sorted(self.groups.items())
-        }
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Each group's expected seconds per committed token at each measured draft limit."""
+        summary: dict[str, dict[str, float]] = {}
+        for size, group in sorted(self.groups.items()):
+            costs = {r: group.cost(r) for r in self.rungs}
+            summary[str(size)] = {str(r): c for r, c in costs.items() if c is not None}
+        return summary
 
 
-__all__ = ["DraftPolicy"]
+__all__ = ["DraftPolicy", "ladder"]
