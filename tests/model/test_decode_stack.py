@@ -1,8 +1,8 @@
-"""The decode stack (`rsgl.layers.decode_stack`): a small decode-only batch of a low-bit model
-goes through every decoder layer in one C call, and its logits are the layer-by-layer path's
-bit for bit, over GGUF blocks and load-time groups, float32 and bfloat16 activations, and
-16-bit and 8-bit KV caches; batches above the low-bit rows, and parts the driver does not
-read, stay on the layer path."""
+"""The decode stack (`rsgl.layers.decode_stack`): a small batch of a low-bit model (decodes, or
+short extends as a row per token) goes through every decoder layer in one C call, and its logits
+are the layer-by-layer path's bit for bit, over GGUF blocks and load-time groups, float32 and
+bfloat16 activations, and 16-bit and 8-bit KV caches; batches above the low-bit rows, and parts
+the driver does not read, stay on the layer path."""
 
 from __future__ import annotations
 
@@ -99,7 +99,12 @@ def test_the_stack_gives_the_layer_paths_logits_bit_for_bit(
     runner: ModelRunner, stack_calls: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     (tokens, logits), (layer_tokens, layer_logits) = both_paths(runner, PROMPTS, monkeypatch)
-    assert stack_calls == [len(PROMPTS)] * STEPS  # every decode step, and only those
+    # Every decode step, and the prefill too where its tokens fit the rows (each prompt is
+    # a short extend: a row per token).
+    head = runner.model.low_bit_lm_head
+    assert head is not None
+    prefill = sum(map(len, PROMPTS))
+    assert stack_calls == [prefill] * (prefill <= head.max_rows) + [len(PROMPTS)] * STEPS
     assert tokens == layer_tokens
     for step, (a, b) in enumerate(zip(logits, layer_logits, strict=True)):
         assert np.array_equal(a, b), f"step {step}: max diff {np.abs(a - b).max()}"

@@ -418,6 +418,8 @@ class LlamaForCausalLM(nn.Module):
         if not all_positions:
             normed = self._decode_stack_step(hidden, cis, batch, attn)
             if normed is not None:
+                if batch.num_extends and batch.logit_rows is None:  # a prefill's last tokens
+                    normed = normed[batch.last_token_index]
                 return self.compute_logits(normed, gather_logits)
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cis, batch, attn)
@@ -430,10 +432,10 @@ class LlamaForCausalLM(nn.Module):
     def _decode_stack_step(
         self, hidden: torch.Tensor, cis: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend
     ) -> torch.Tensor | None:
-        """The final-normed states of a small decode-only batch, or of a verify step's tokens
-        as decode rows (`decode_stack_step`: then every token is a row the LM head reads),
-        through every layer in one C call (`rsgl.layers.decode_stack`: the same kernels,
-        the same numbers), or None where the layer-by-layer path must run."""
+        """The final-normed states of every token of a small batch (each a decode row:
+        `decode_stack_step`), through every layer in one C call (`rsgl.layers.decode_stack`:
+        the decode kernels, the same numbers), or None where the layer-by-layer path must
+        run."""
         if not isinstance(attn, TorchNativeAttnBackend):
             return None
         stack = self._decode_stack(attn, hidden.dtype)

@@ -17,6 +17,13 @@ if TYPE_CHECKING:
     from rsgl.model_executor.kv_cache import KVCache, ReqToTokenPool
 
 
+# Extends of at most this many tokens each run as rows of the fused decode kernel, one per
+# token (a verify step's last token and drafts, a short prompt or uncached tail): one call
+# for the whole batch instead of one SDPA per request and layer. Each row reads its whole
+# context, so long extends stay with SDPA, which reads it once per request.
+TOKEN_ROWS_MAX_EXTEND = 16
+
+
 @dataclass(slots=True)
 class _ExtendReq:
     token_start: int
@@ -27,13 +34,13 @@ class _ExtendReq:
 
 @dataclass(slots=True)
 class _TorchNativeMetadata:
-    extends: list[_ExtendReq]
-    decode_start: int  # token index where the decode tail begins
-    decode_req_slots: torch.Tensor  # [Bd] int64
-    decode_seq_lens: torch.Tensor  # [Bd] int64
+    extends: list[_ExtendReq]  # those that run SDPA
+    decode_start: int  # token index where the decode kernel's rows begin
+    decode_req_slots: torch.Tensor  # [rows] int64
+    decode_seq_lens: torch.Tensor  # [rows] int64
     # Eager path only: padded KV-slot table [Bd, S] and its validity mask [Bd, 1, 1, S].
-    decode_kv_index: torch.Tensor | None
-    decode_mask: torch.Tensor | None
+    decode_kv_index: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -44,9 +51,12 @@ class TorchNativeAttnBackend(AttentionBackend):
     float32 or bfloat16 model on CPU through the fused paged kernel of
     `rsgl.layers.cpu_kernels` (over a float32, float16, bfloat16, fp8 or int8 cache) when
     it can be built, otherwise by gathering every decode request's K/V padded to the longest
-    sequence and one masked SDPA. Index tables and masks are built once per step in `prepare`, not
-    per layer. Extends run SDPA in the model's dtype: for bfloat16 its flash kernel
-    accumulates in float32.
+    sequence and one masked SDPA. With the kernel, a batch whose extends are all short
+    (`TOKEN_ROWS_MAX_EXTEND`) runs every token as a decode row at sequence length position
+    + 1 (the K and V of a step's tokens are stored before any row attends, so a row sees
+    the tokens before it in its extend). Index tables and masks are built once per step in
+    `prepare`, not per layer. Extends run SDPA in the model's dtype: for bfloat16 its flash
+    kernel accumulates in float32.
     """
 
     def __init__(
@@ -82,6 +92,16 @@ class TorchNativeAttnBackend(AttentionBackend):
     def prepare(self, batch: ForwardBatch) -> None:
         table = self.req_to_token.req_to_token
         device = table.device
+        ne = batch.num_extends
+        if (
+            ne
+            and self.decode_kernel is not None
+            and int(batch.extend_lens_host[:ne].max()) <= TOKEN_ROWS_MAX_EXTEND
+        ):
+            self._check_decode_bounds(batch)
+            rows = _TorchNativeMetadata([], 0, batch.token_req_slots(), batch.positions + 1)
+            batch.attn_metadata = rows
+            return
         extends = []
         # Host arrays only: on a GPU, reading a device tensor here would wait for the device.
         starts = (np.cumsum(batch.extend_lens_host) - batch.extend_lens_host).tolist()
@@ -140,7 +160,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         assert isinstance(meta, _TorchNativeMetadata), "prepare(batch) was not called"
         if (
             self.decode_kernel is None
-            or batch.num_extends
+            or meta.decode_start  # rows before it run SDPA
             or qkv.dtype != self.model_dtype
             or not qkv.is_contiguous()
         ):
@@ -162,28 +182,19 @@ class TorchNativeAttnBackend(AttentionBackend):
     def decode_stack_step(
         self, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """For a batch that the fused decode kernel serves, one row per token: (out_cache_loc,
-        req_to_token, each row's request slot, each row's sequence length), what
-        `rsgl_decode_stack` reads for every layer's attention (`forward_decode_qkv` reads
-        the same for a decode-only batch). Else None.
-
-        A decode-only batch has a row per request. So does a verify step (every extend is a
-        request's last token and its drafts) once each of its tokens is a row of its own, at
-        sequence length position + 1: the decode step at that position, whose logits the
-        verify computes, so that the target's tokens are the ones decoding without drafts
-        would give, bit for bit."""
+        """For a batch whose every token is a row of the fused decode kernel (a decode-only
+        batch, or one of short extends: see the class), (out_cache_loc, req_to_token, each
+        row's request slot, each row's sequence length), what `rsgl_decode_stack` reads
+        for every layer's attention, as `forward_decode_qkv` does. Else None. A verify
+        step's logits are then the ones decoding without drafts would give, bit for bit."""
         meta = batch.attn_metadata
         if self.decode_kernel is None or not batch.num_tokens:
             return None
         assert isinstance(meta, _TorchNativeMetadata), "prepare(batch) was not called"
-        table = self.req_to_token.req_to_token
-        if not batch.num_extends:
-            return batch.out_cache_loc, table, meta.decode_req_slots, meta.decode_seq_lens
-        drafts = batch.draft_lens_host
-        if drafts is None or not np.array_equal(batch.extend_lens_host, drafts + 1):
+        if meta.decode_start:
             return None
-        self._check_decode_bounds(batch)
-        return batch.out_cache_loc, table, batch.token_req_slots(), batch.positions + 1
+        table = self.req_to_token.req_to_token
+        return batch.out_cache_loc, table, meta.decode_req_slots, meta.decode_seq_lens
 
     def layer_caches(
         self, layer_id: int
@@ -224,7 +235,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             )
             out[req.token_start : end] = oi.transpose(0, 1)
 
-        if batch.num_decodes:
+        if meta.decode_start < batch.num_tokens:
             qd = q[meta.decode_start :]
             if self.decode_kernel is not None:
                 self.decode_kernel.decode_attention(
