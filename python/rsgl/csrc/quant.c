@@ -155,12 +155,71 @@ static inline void dequant_block(int fmt, Block b, float* w) {
 /* The sum of four accumulators' 32 lanes in a fixed tree: (a + b) + (c + d) lane by lane,
    then the halves, pairs and neighbours. */
 static inline float hsum8(__m256 a, __m256 b, __m256 c, __m256 d) {
-    const __m256 s = _mm256_add_ps(_mm256_add_ps(a, b), _mm256_add_ps(c, d));
+    /* -ffast-math lets the compiler reassociate these adds, and each inlined copy its own
+       way (one AVX2 tile summed a row otherwise than the next did): the empty asm pins
+       each partial sum, which costs nothing. */
+    __m256 ab = _mm256_add_ps(a, b), cd = _mm256_add_ps(c, d);
+    __asm__("" : "+x"(ab), "+x"(cd));
+    __m256 s = _mm256_add_ps(ab, cd);
+    __asm__("" : "+x"(s));
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    __asm__("" : "+x"(h));
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    __asm__("" : "+x"(h));
     h = _mm_add_ss(h, _mm_movehdup_ps(h));
     return _mm_cvtss_f32(h);
 }
+
+/* GGUF block headers are read this many blocks of a row at a time. */
+#define HEADER_CHUNK 64
+
+/* The fp16 scale (and Q4_1's offset) of blocks k0 .. k0 + n - 1 of a GGUF row, as float32
+   pairs dm[2i] = d, dm[2i + 1] = m (0 where the format has none): sixteen (AVX2: eight)
+   conversions per instruction instead of one shuffle-bound conversion per value in the
+   block loop, and each block's d and m then broadcast straight from memory. */
+static inline void gguf_headers(const int fmt, const uint8_t* row, int64_t k0, int64_t n,
+                                float* dm) {
+    /* Each block's header as one 32-bit word, d in its low half (little-endian) and Q4_1's
+       m (else 0) in its high half: one load and one store a block. With a load and a
+       store per half, a batch-1 step's projections waited on the store port (SmolLM2's
+       rows of 576 have 18 blocks: the headers are a row's fixed cost); one of each took
+       them 7% faster. */
+    uint32_t pairs[HEADER_CHUNK + 8];
+    const uint8_t* b = row + k0 * block_bytes(fmt);
+    for (int64_t i = 0; i < n; i++, b += block_bytes(fmt)) {
+        uint32_t v = load_u16(b);
+        if (fmt == Q4_1) memcpy(&v, b, sizeof v);
+        pairs[i] = v;
+    }
+    for (int64_t i = n; i % 8; i++) pairs[i] = 0; /* the last conversion's tail */
+#if defined(__AVX512F__)
+    for (int64_t i = 0; i < n; i += 8)
+        _mm512_storeu_ps(dm + 2 * i,
+                         _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(pairs + i))));
+#else
+    for (int64_t i = 0; i < n; i += 4)
+        _mm256_storeu_ps(dm + 2 * i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(pairs + i))));
+#endif
+}
+
+/* Block k of row n: its quants, and where its scale d and offset m are (m NULL for the int8
+   formats). GGUF's come from `dm`, the converted headers of the blocks from c0 on; the
+   load-time formats' from their arrays, at group g of the row. */
+static inline __attribute__((always_inline)) const uint8_t* block_parts(
+    const int fmt, const QMat* a, int64_t n, int64_t k, int64_t g, int64_t c0, const float* dm,
+    const float** d, const float** m) {
+    const uint8_t* row = a->w + n * a->row_bytes;
+    if (fmt == I4 || fmt == I8) {
+        g += n * a->groups;
+        *d = a->scales + g;
+        *m = a->mins ? a->mins + g : NULL;
+        return row + k * block_bytes(fmt);
+    }
+    *d = dm + 2 * (k - c0);
+    *m = *d + 1;
+    return row + k * block_bytes(fmt) + (fmt == Q4_1 ? 4 : 2);
+}
+
 #endif
 
 #if defined(__AVX512F__)
@@ -195,11 +254,11 @@ static inline void dequant_block16(int fmt, const uint8_t* q, const float* d, co
     w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(nib, 4), table);
 }
 
-/* The AVX2 path's reduction of its four accumulators (elements 0-7, 8-15, 16-23, 24-31),
-   here the halves of lo (0-15) and hi (16-31): the same tree. (Measured against the AVX2
-   build on random blocks: the same bits in every GGUF format, for one, two and three rows
-   of x. -ffast-math lets the compiler fuse and reassociate each inlined copy its own way,
-   so that is checked, not promised; see dot_xtile.) */
+/* hsum8 of four accumulators of eight lanes, here the halves of lo (elements 0-15) and hi
+   (16-31). -ffast-math lets the compiler fuse and reassociate each inlined copy its own
+   way, so one order per row is checked, not promised; see dot_xtile. (The AVX2 path gets
+   the same bits for the int8 formats; it sums the nibble formats' elements in another
+   order.) */
 static inline float hsum16(__m512 lo, __m512 hi) {
     const __m256 a = _mm512_castps512_ps256(lo);
     const __m256 b = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lo), 1));
@@ -208,52 +267,8 @@ static inline float hsum16(__m512 lo, __m512 hi) {
     return hsum8(a, b, c, d);
 }
 
-/* GGUF block headers are read this many blocks of a row at a time. */
-#define HEADER_CHUNK 64
-
-/* The fp16 scale (and Q4_1's offset) of blocks k0 .. k0 + n - 1 of a GGUF row, as float32
-   pairs dm[2i] = d, dm[2i + 1] = m (0 where the format has none): sixteen conversions per
-   instruction instead of one shuffle-bound conversion per value in the block loop. */
-static inline void gguf_headers(const int fmt, const uint8_t* row, int64_t k0, int64_t n,
-                                float* dm) {
-    /* Each block's header as one 32-bit word, d in its low half (little-endian) and Q4_1's
-       m (else 0) in its high half: one load and one store a block. With a load and a
-       store per half, a batch-1 step's projections waited on the store port (SmolLM2's
-       rows of 576 have 18 blocks: the headers are a row's fixed cost); one of each took
-       them 7% faster. */
-    uint32_t pairs[HEADER_CHUNK + 8];
-    const uint8_t* b = row + k0 * block_bytes(fmt);
-    for (int64_t i = 0; i < n; i++, b += block_bytes(fmt)) {
-        uint32_t v = load_u16(b);
-        if (fmt == Q4_1) memcpy(&v, b, sizeof v);
-        pairs[i] = v;
-    }
-    for (int64_t i = n; i % 8; i++) pairs[i] = 0; /* the last conversion's tail */
-    for (int64_t i = 0; i < n; i += 8)
-        _mm512_storeu_ps(dm + 2 * i,
-                         _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(pairs + i))));
-}
-
-/* Block k of row n: its quants, and where its scale d and offset m are (m NULL for the int8
-   formats). GGUF's come from `dm`, the converted headers of the blocks from c0 on; the
-   load-time formats' from their arrays, at group g of the row. */
-static inline __attribute__((always_inline)) const uint8_t* block_parts(
-    const int fmt, const QMat* a, int64_t n, int64_t k, int64_t g, int64_t c0, const float* dm,
-    const float** d, const float** m) {
-    const uint8_t* row = a->w + n * a->row_bytes;
-    if (fmt == I4 || fmt == I8) {
-        g += n * a->groups;
-        *d = a->scales + g;
-        *m = a->mins ? a->mins + g : NULL;
-        return row + k * block_bytes(fmt);
-    }
-    *d = dm + 2 * (k - c0);
-    *m = *d + 1;
-    return row + k * block_bytes(fmt) + (fmt == Q4_1 ? 4 : 2);
-}
-
-/* One row of x times weight rows n and n + 1, into y[n] and y[n + 1]: each product in the
-   AVX2 path's lanes and order, 16 wide. The two weight rows share the loop so that one row of
+/* One row of x times weight rows n and n + 1, into y[n] and y[n + 1]: each product in 32
+   lanes over the blocks, then hsum16. The two weight rows share the loop so that one row of
    x has four independent sums: each sum adds once per block, and one sum alone waits on the
    multiply-add's latency (a batch-1 projection ran 1.2x faster on one thread, SmolLM2's
    K = 1536). */
@@ -291,63 +306,96 @@ static inline __attribute__((always_inline)) void dot_pair(const int fmt, const 
     y[n + 1] = hsum16(e0, e1);
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-/* One block's 32 weights in four registers: elements 0-7, 8-15, 16-23, 24-31. */
-static inline void dequant_block8(int fmt, Block b, __m256* w) {
-    const __m256 d = _mm256_set1_ps(b.d);
+/* The AVX2 path's lanes for the nibble formats. A block's 16 bytes are broadcast to both
+   halves of a register, and register r takes byte r of each 32-bit word, its low nibble in
+   lanes 0-3 and its high nibble in lanes 4-7, with one variable shift and a mask. So
+   register r holds the elements e with e % 4 == r, in increasing order (r, 4 + r, ...,
+   28 + r), and the kernels read x in that order: each call first copies its rows of x into
+   it (interleave_x). The widening byte shuffles this replaces (four a block, on the one
+   port that also broadcasts) bounded a batch-1 step's projections on AMD Zen 3. */
+static const int32_t NIBBLE_SHIFT[4][8] = {{0, 0, 0, 0, 4, 4, 4, 4},
+                                           {8, 8, 8, 8, 12, 12, 12, 12},
+                                           {16, 16, 16, 16, 20, 20, 20, 20},
+                                           {24, 24, 24, 24, 28, 28, 28, 28}};
+
+/* One block's 32 weights in four registers (the int8 formats: elements 0-7, 8-15, 16-23,
+   24-31; the nibble formats: in the order above), each rounded as the portable path rounds
+   it. `d` and `m` point at the block's scale and offset as float32 (m NULL for the int8
+   formats; Q4_0's offset is the exact -8d). */
+static inline __attribute__((always_inline)) void dequant_block8(int fmt, const uint8_t* q,
+                                                                 const float* d,
+                                                                 const float* m, __m256* w) {
+    const __m256 s = _mm256_broadcast_ss(d);
     if (int8_quants(fmt)) {
-        const __m128i q0 = _mm_loadu_si128((const __m128i*)b.q);
-        const __m128i q1 = _mm_loadu_si128((const __m128i*)(b.q + 16));
-        w[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)));
-        w[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8))));
-        w[2] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)));
-        w[3] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8))));
+        for (int i = 0; i < 4; i++) {
+            const __m128i b = _mm_loadl_epi64((const __m128i*)(q + 8 * i));
+            w[i] = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+        }
         return;
     }
-    const __m128i q = _mm_loadu_si128((const __m128i*)b.q);
-    const __m128i nib = _mm_set1_epi8(15);
-    const __m128i lo = _mm_and_si128(q, nib);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), nib);
-    const __m256 m = _mm256_set1_ps(b.m);
-    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d, m);
-    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d, m);
-    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d, m);
-    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d, m);
+    const __m256 o =
+        fmt == Q4_0 ? _mm256_mul_ps(s, _mm256_set1_ps(-8.f)) : _mm256_broadcast_ss(m);
+    const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)q));
+    const __m256i low4 = _mm256_set1_epi32(15);
+    for (int r = 0; r < 4; r++) {
+        const __m256i shift = _mm256_loadu_si256((const __m256i*)NIBBLE_SHIFT[r]);
+        const __m256i j = _mm256_and_si256(_mm256_srlv_epi32(both, shift), low4);
+        w[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(j), s, o);
+    }
 }
 
-/* Rows x0 and (when not NULL) x1 of x times weight row n. */
-static inline __attribute__((always_inline)) void dot_rows(const int fmt, const QMat* a,
+/* x's rows in the nibble formats' order: out[k * 32 + 8r + j] = x[k * 32 + 4j + r]. */
+static void interleave_x(const float* x, int64_t n, float* out) {
+    for (int64_t b = 0; b < n; b += QK)
+        for (int r = 0; r < 4; r++)
+            for (int j = 0; j < 8; j++) out[b + 8 * r + j] = x[b + 4 * j + r];
+}
+
+/* Rows x[0 .. R) of x times weight rows n .. n + W - 1 (R and W constants of 1 or 2 in each
+   inlined copy, R * W <= 2: eight sums, the sixteen registers' share), into y[r * N + n + i].
+   Each block is rebuilt once for the tile, and each (row, weight row) product is summed in
+   four registers of its own over the blocks, then by hsum8: one order whatever the tile,
+   so a row gets the same bits in any batch. */
+static inline __attribute__((always_inline)) void dot_tile(const int fmt, const QMat* a,
                                                            int64_t n, int64_t nb,
-                                                           const float* x0, const float* x1,
-                                                           float* y0, float* y1) {
-    const uint8_t* row = a->w + n * a->row_bytes;
-    const int64_t per = fmt == I4 || fmt == I8 ? a->group / QK : 1;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-    for (int64_t k0 = 0, g = n * a->groups; k0 < nb; k0 += per, g++) {
-        const float gd = fmt >= I4 ? a->scales[g] : 0.f;
-        const float gm = fmt >= I4 && a->mins ? a->mins[g] : 0.f;
-        for (int64_t k = k0; k < k0 + per; k++) {
-            __m256 w[4];
-            dequant_block8(fmt, block_in_row(fmt, row, k, gd, gm), w);
-            const float* p = x0 + k * QK;
-            a0 = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(p), a0);
-            a1 = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(p + 8), a1);
-            a2 = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(p + 16), a2);
-            a3 = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(p + 24), a3);
-            if (x1) {
-                const float* r = x1 + k * QK;
-                b0 = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(r), b0);
-                b1 = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(r + 8), b1);
-                b2 = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(r + 16), b2);
-                b3 = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(r + 24), b3);
+                                                           const float* x, int64_t K,
+                                                           const int R, const int W, float* y,
+                                                           int64_t N) {
+    const int gguf = fmt != I4 && fmt != I8;
+    /* Blocks per scale: one for GGUF's formats, group / 32 for the load-time ones. */
+    const int64_t per = gguf ? 1 : a->group / QK;
+    int64_t g = 0, next = per; /* block k's group in the row, and where the next starts */
+    __m256 acc[2][4];
+    for (int t = 0; t < R * W; t++)
+        for (int j = 0; j < 4; j++) acc[t][j] = _mm256_setzero_ps();
+    float dm[2][2 * HEADER_CHUNK + 16];
+    for (int64_t c0 = 0; c0 < nb; c0 += HEADER_CHUNK) {
+        const int64_t c1 = c0 + HEADER_CHUNK < nb ? c0 + HEADER_CHUNK : nb;
+        for (int i = 0; gguf && i < W; i++)
+            gguf_headers(fmt, a->w + (n + i) * a->row_bytes, c0, c1 - c0, dm[i]);
+        for (int64_t k = c0; k < c1; k++) {
+            if (k == next) g++, next += per;
+            for (int i = 0; i < W; i++) {
+                const float *d, *m;
+                __m256 w[4];
+                const uint8_t* q = block_parts(fmt, a, n + i, k, g, c0, dm[i], &d, &m);
+                dequant_block8(fmt, q, d, m, w);
+                for (int r = 0; r < R; r++) {
+                    const float* p = x + r * K + k * QK;
+                    for (int j = 0; j < 4; j++)
+                        acc[i + r][j] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(p + 8 * j),
+                                                        acc[i + r][j]);
+                }
             }
         }
     }
-    *y0 = hsum8(a0, a1, a2, a3);
-    if (x1) *y1 = hsum8(b0, b1, b2, b3);
+    for (int i = 0; i < W; i++)
+        for (int r = 0; r < R; r++)
+            y[r * N + n + i] = hsum8(acc[i + r][0], acc[i + r][1], acc[i + r][2], acc[i + r][3]);
 }
 #else
-/* The same lanes and tree as the AVX2 path, in plain C for whatever the compiler targets. */
+/* The AVX2 path's lanes for the int8 formats and its tree, in plain C for whatever the
+   compiler targets. */
 static inline float hsum32(const float* acc) {
     float s[8], h[4];
     for (int i = 0; i < 8; i++) s[i] = (acc[i] + acc[8 + i]) + (acc[16 + i] + acc[24 + i]);
@@ -454,6 +502,33 @@ static inline __attribute__((always_inline)) void row_tiles(const int fmt, const
             xtile(fmt, a, n + i, K / QK, x + r * K, K, R, y + r * N, N);
     }
 }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* y[M, N] = x[M, K] . W^T over float32 rows (the nibble formats' x interleaved); K a
+   multiple of 32. Columns of y are split over threads two at a time: a lone row of x takes
+   both weight rows at once (eight sums in flight, x read once for both), a pair of rows
+   each weight row in turn (the pair of weight rows stays in L1 between x pairs, so memory
+   sees each block once per call). */
+static inline __attribute__((always_inline)) void row_tiles(const int fmt, const QMat* a,
+                                                            int64_t n, const float* x,
+                                                            int64_t M, int64_t K, int64_t N,
+                                                            float* y) {
+    /* Weight rows are short and a decode step streams them from memory: ask for the rows 8
+       ahead (see the AVX-512 row_tiles). */
+    prefetch_bytes(a->w + (n + 8) * a->row_bytes, 2 * a->row_bytes);
+    const int both = n + 1 < N;
+    for (int64_t r = 0; r < M; r += 2) {
+        const float* xr = x + r * K;
+        float* yr = y + r * N;
+        if (r + 1 < M) {
+            dot_tile(fmt, a, n, K / QK, xr, K, 2, 1, yr, N);
+            if (both) dot_tile(fmt, a, n + 1, K / QK, xr, K, 2, 1, yr, N);
+        } else if (both) {
+            dot_tile(fmt, a, n, K / QK, xr, K, 1, 2, yr, N);
+        } else {
+            dot_tile(fmt, a, n, K / QK, xr, K, 1, 1, yr, N);
+        }
+    }
+}
 #else
 /* y[M, N] = x[M, K] . W^T over float32 rows; K a multiple of 32. Columns of y are split over
    threads two at a time; each thread walks its pair of weight rows once per pair of x rows
@@ -477,6 +552,15 @@ static inline __attribute__((always_inline)) void row_tiles(const int fmt, const
 
 static void qlinear_f32(const QMat* a, const float* x, int64_t M, int64_t K, int64_t N,
                         float* y, int threads) {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    float* interleaved = NULL;
+    if (!int8_quants(a->fmt)) {
+        interleaved = (float*)malloc((size_t)(M * K) * sizeof(float));
+        if (!interleaved) abort();
+        interleave_x(x, M * K, interleaved);
+        x = interleaved;
+    }
+#endif
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N * M * K >= 65536)
     for (int64_t n = 0; n < N; n += 2) {
         /* One instance per format, so each inner loop knows its block layout. */
@@ -488,6 +572,9 @@ static void qlinear_f32(const QMat* a, const float* x, int64_t M, int64_t K, int
             default: row_tiles(I8, a, n, x, M, K, N, y); break;
         }
     }
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    free(interleaved);
+#endif
 }
 
 static void qlinear_bf16(const QMat* a, const uint16_t* x, int64_t M, int64_t K, int64_t N,
