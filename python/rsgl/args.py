@@ -20,6 +20,12 @@ from rsgl.reasoning import FORMATS as REASONING_PARSERS
 from rsgl.tool_calls.parsers import FORMATS as TOOL_CALL_PARSERS
 from rsgl.validation import RequestLimits
 
+# Values of `--quantization` (SGLang's option name): gguf reads a GGUF file's blocks;
+# gguf_a8 reads them with int8 activations (as llama.cpp); int8 and int4 quantize any
+# model's projections when it loads; none runs the weights as loaded; None (auto) picks
+# gguf for GGUF files where it can run.
+QUANTIZATIONS = ("gguf", "gguf_a8", "int8", "int4", "none")
+
 # kv_cache_dtype values -> the torch dtype's name (None: the model's dtype).
 KV_CACHE_DTYPES: dict[str, str | None] = {
     "auto": None,
@@ -89,10 +95,12 @@ class EngineArgs:
         None,
         "weights: gguf reads a GGUF file's projections and LM head from its own 4/8-bit "
         "blocks (Q4_0, Q4_1, Q8_0; the same numbers as the dequantized model, a fraction of "
-        "the bytes per step); int8 / int4 quantize any model's projections when it loads "
-        "(CPU), and its LM head to int8; none runs the weights as loaded (default: gguf for "
-        "GGUF files on CPU, else none)",
-        choices=["gguf", "int8", "int4", "none"],
+        "the bytes per step); gguf_a8 the same blocks with activations quantized to int8 "
+        "per block of 32, as llama.cpp computes (faster, not the float32 logits); int8 / "
+        "int4 quantize any model's projections when it loads (CPU), and its LM head to "
+        "int8; none runs the weights as loaded (default: gguf for GGUF files on CPU, else "
+        "none)",
+        choices=list(QUANTIZATIONS),
     )
     quantization_group_size: int | None = option(
         None,
@@ -312,10 +320,10 @@ class EngineArgs:
             raise ValueError(
                 f"invalid reasoning_parser {self.reasoning_parser!r}: expected one of {expected}"
             )
-        if self.quantization not in (None, "gguf", "int8", "int4", "none"):
+        if self.quantization not in (None, *QUANTIZATIONS):
             raise ValueError(
-                f"invalid quantization {self.quantization!r}: expected one of gguf, int8, "
-                "int4, none"
+                f"invalid quantization {self.quantization!r}: expected one of "
+                + ", ".join(QUANTIZATIONS)
             )
         group = self.quantization_group_size
         if group is not None and (group < 32 or group % 32):

@@ -23,6 +23,7 @@ from rsgl.model_executor.model_runner import ModelRunner
 CONFIGS: dict[str, dict[str, Any]] = {
     "gguf-float32": {"dtype": torch.float32},
     "gguf-bfloat16-int8-cache": {"dtype": torch.bfloat16, "kv_cache_dtype": "int8"},
+    "gguf_a8-float32": {"dtype": torch.float32, "quantization": "gguf_a8"},
     "int4-float32-fp8-cache": {
         "dtype": torch.float32,
         "quantization": "int4",

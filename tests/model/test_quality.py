@@ -47,7 +47,8 @@ def test_compare_measures_distance_and_agreement() -> None:
 def qualities() -> dict[str, Quality]:
     if load_cpu_kernels() is None:
         pytest.skip("no C compiler: low-bit weights need the C kernels")
-    modes = ["gguf", "int8", "int4", "kv:int8", "kv:fp8_e4m3", "kv:fp8_e5m2", "gguf+kv:int8"]
+    modes = ["gguf", "gguf_a8", "int8", "int4", "kv:int8", "kv:fp8_e4m3", "kv:fp8_e5m2"]
+    modes.append("gguf+kv:int8")
     return {q.mode: q for q in measure(None, modes, max_tokens=256)}
 
 
@@ -64,8 +65,11 @@ def test_gguf_blocks_are_the_float32_models_own_weights(qualities: dict[str, Qua
     # KLD 0.0010, top-1 0.975 (the file's weights are Q4_1 already: groups of 32 that
     # int4 re-quantizes almost losslessly; one scale per row of int8 fits them worse).
     # KV caches, on these 255 tokens (Sapphire Rapids): int8 (a scale per token and head)
-    # KLD 0.00047, top-1 0.973; fp8_e4m3 0.0052, 0.957; fp8_e5m2 0.021, 0.902.
+    # KLD 0.00047, top-1 0.973; fp8_e4m3 0.0052, 0.957; fp8_e5m2 0.021, 0.902. The file's
+    # blocks with int8 activations (every row through the int8 kernels): KLD 0.0028, top-1
+    # 0.973 on these 255 tokens (0.0025, 0.967 on 884; AMD Zen 3).
     [
+        ("gguf_a8", 0.006, 0.93),
         ("int8", 0.01, 0.92),
         ("int4", 0.005, 0.94),
         ("kv:int8", 0.001, 0.95),
@@ -73,7 +77,7 @@ def test_gguf_blocks_are_the_float32_models_own_weights(qualities: dict[str, Qua
         ("kv:fp8_e5m2", 0.04, 0.85),
     ],
 )
-def test_load_time_quantization_stays_within_its_budget(
+def test_each_lossy_mode_stays_within_its_budget(
     qualities: dict[str, Quality], mode: str, max_kld: float, min_top1: float
 ) -> None:
     q = qualities[mode]

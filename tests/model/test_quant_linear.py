@@ -71,6 +71,44 @@ def test_products_differ_from_the_dense_ones_by_summation_order(
     assert kernels.qlinear(x[:0], blocks, fmt).shape == (0, 67)
 
 
+def _quantized_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as int8 activations see it (llama.cpp's Q8_1): per block of 32, scale max|x| / 127
+    and each value rounded to the nearest multiple of it (ties to even)."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inv) * (amax / 127.0)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("fmt", list(QUANT_FORMATS))
+def test_int8_activations_multiply_the_blocks_by_the_quantized_rows(
+    kernels: CpuKernels, fmt: str
+) -> None:
+    blocks, dense = _random_blocks(fmt, 67, 256, seed=5)
+    x = torch.randn(21, 256, generator=torch.Generator().manual_seed(6))
+    x[3, :32] = 0.0  # an all-zero block: scale 0
+    x[4, 40] = 1e4  # one block dominated by one value
+    got = kernels.qlinear(x, blocks, fmt, int8_activations=True)
+    # The file's weights times the quantized rows, up to float32 summation error ...
+    reference = _quantized_rows(x).double() @ dense.double().T
+    magnitudes = _quantized_rows(x).double().abs() @ dense.double().abs().T
+    assert ((got.double() - reference).abs() <= 1e-6 * 256 * magnitudes + 1e-30).all()
+    # ... which is not the float product: each value moved by up to half a step.
+    exact = x.double() @ dense.double().T
+    steps = x.reshape(21, -1, 32).abs().amax(-1, keepdim=True).expand(-1, -1, 32) / 127
+    bound = 0.5 * steps.reshape(21, 256).double() @ dense.double().abs().T
+    assert ((got.double() - exact).abs() <= 1.001 * bound + 1e-6 * 256 * magnitudes).all()
+    assert not torch.equal(got, kernels.qlinear(x, blocks, fmt))
+    # One order per row whatever the batch (tiles of up to four rows, weight rows in pairs).
+    for start, stop in ((0, 1), (4, 5), (20, 21), (0, 3), (2, 9), (5, 17), (3, 21)):
+        part = kernels.qlinear(x[start:stop].contiguous(), blocks, fmt, int8_activations=True)
+        assert torch.equal(part, got[start:stop]), (start, stop)
+    half = kernels.qlinear(x.bfloat16(), blocks, fmt, int8_activations=True)
+    assert half.dtype == torch.bfloat16
+    widened = kernels.qlinear(x.bfloat16().float(), blocks, fmt, int8_activations=True)
+    assert torch.equal(half, widened.bfloat16())
+
+
 def test_bfloat16_activations_round_once(kernels: CpuKernels) -> None:
     blocks, dense = _random_blocks("Q4_1", 32, 128, seed=4)
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
@@ -184,7 +222,10 @@ def test_quantization_is_resolved_or_refused_with_the_reason(tmp_path: Path) -> 
         resolve_quantization("gguf", None, cpu, "auto")
     with pytest.raises(ValueError, match="runs on CPU"):
         resolve_quantization("gguf", gguf_file, cuda, "auto")
-    with pytest.raises(ValueError, match="expected one of gguf, int8, int4, none"):
+    with pytest.raises(ValueError, match="needs a .gguf model"):
+        resolve_quantization("gguf_a8", gguf_file, cpu, "dummy")
+    assert resolve_quantization("gguf_a8", gguf_file, cpu, "auto") == "gguf_a8"
+    with pytest.raises(ValueError, match="expected one of gguf, gguf_a8, int8, int4, none"):
         resolve_quantization("awq", gguf_file, cpu, "auto")
     assert resolve_quantization("int4", None, cpu, "auto") == "int4"
     with pytest.raises(ValueError, match="quantization int8 runs on CPU"):

@@ -23,10 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from rsgl.args import KV_CACHE_DTYPES
+from rsgl.args import KV_CACHE_DTYPES, QUANTIZATIONS
 from rsgl.model_executor.executor import run_on_compute_thread
-
-QUANTIZATIONS = ["gguf", "int8", "int4", "none"]
 
 
 def make_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:

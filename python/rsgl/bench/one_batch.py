@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from rsgl._core import Plan
-from rsgl.args import KV_CACHE_DTYPES, LOAD_FORMATS
+from rsgl.args import KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS
 from rsgl.layers.linear import PackedLinear
 from rsgl.layers.quant_linear import QuantLinear
 from rsgl.model_executor.executor import CudaStreamExecutor
@@ -404,8 +404,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--quantization",
         default=None,
-        choices=["gguf", "int8", "int4", "none"],
-        help="weights: gguf (the file's own blocks), int8 / int4 (quantized at load) or "
+        choices=list(QUANTIZATIONS),
+        help="weights: gguf (the file's own blocks), gguf_a8 (the same, int8 activations), "
+        "int8 / int4 (quantized at load) or "
         "none (as loaded); default: gguf for GGUF files on CPU",
     )
     parser.add_argument("--quantization-group-size", type=int, default=None)

@@ -3,7 +3,7 @@ on a fixed text.
 
 The reference is the model as loaded, in float32 (`--quantization none`, a float32 KV
 cache); each mode named by `--modes` loads the same model quantized that way: a
-quantization (`gguf`, `int8`, `int4`), a KV cache dtype (`kv:int8`, `kv:fp8_e4m3`,
+quantization (`gguf`, `gguf_a8`, `int8`, `int4`), a KV cache dtype (`kv:int8`, `kv:fp8_e4m3`,
 `kv:fp8_e5m2`, ...), or both joined by `+` (`gguf+kv:int8`). Both read the same shipped text
 (`quality_text.txt`, ~1,000 tokens of plain English prose written for this benchmark), and
 at every position the two next-token distributions are compared (the metrics of
@@ -22,12 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rsgl.layers.quant_linear import QuantLinear
 from rsgl.model_executor.model_runner import ModelRunner
 from rsgl.models.loader import load_tokenizer
 
@@ -73,7 +75,7 @@ def load(
     tokens: int,
     kv_cache_dtype: str = "float32",
 ) -> ModelRunner:
-    return ModelRunner.from_pretrained(
+    runner = ModelRunner.from_pretrained(
         model,
         kv_buffer_size=tokens + 2,
         max_running_requests=1,
@@ -83,6 +85,14 @@ def load(
         quantization_group_size=group,
         kv_cache_dtype=kv_cache_dtype,
     )
+    if quantization == "gguf_a8":
+        # Its dense copy holds the float32 weights, which prefill chunks multiply as they
+        # are; decode steps quantize their activations, and that is what is measured here:
+        # every row of the teacher-forced prefill goes through the int8 kernels.
+        for module in runner.model.modules():
+            if isinstance(module, QuantLinear):
+                module.max_rows = sys.maxsize
+    return runner
 
 
 def compare(mode: str, ref: torch.Tensor, got: torch.Tensor, targets: torch.Tensor) -> Quality:

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from rsgl._core import Plan
+from rsgl.args import QUANTIZATIONS
 from rsgl.bench.one_batch import DTYPES, _prefill_plan
 from rsgl.engine import Engine
 from rsgl.model_executor.model_runner import ModelRunner
@@ -319,7 +320,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=15, help="timed steps per shape")
     parser.add_argument("--dtype", default="auto", choices=list(DTYPES), help="model dtype")
-    parser.add_argument("--quantization", default=None, choices=["gguf", "int8", "int4", "none"])
+    parser.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS))
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--concurrency", default="1,4,16,64", help="workloads: in flight")

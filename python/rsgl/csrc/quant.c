@@ -27,11 +27,7 @@
 #include <string.h>
 
 #include "common.h"
-
-#define QK 32
-
-/* ggml's type numbers for GGUF's formats; the load-time formats after them. */
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, I4 = 100, I8 = 101 };
+#include "gguf_blocks.h"
 
 /* A weight matrix: `w` holds N rows of `row_bytes`; the load-time formats add a scale (and
    a minimum) per group of `group` weights, `groups` per row. */
@@ -44,43 +40,6 @@ typedef struct {
     int64_t group;
     int64_t groups;
 } QMat;
-
-/* fp16 -> float32 without F16C: normals, subnormals, zeros, infinities and NaN. */
-static inline float f16_to_f32(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    const uint32_t exp = (h >> 10) & 0x1fu;
-    const uint32_t man = h & 0x3ffu;
-    union { uint32_t u; float f; } c;
-    if (exp == 0x1fu) {
-        c.u = sign | 0x7f800000u | (man << 13);
-    } else if (exp != 0) {
-        c.u = sign | ((exp + 112u) << 23) | (man << 13);
-    } else {
-        c.f = (float)man * 5.9604644775390625e-8f; /* man * 2^-24, exact */
-        c.u |= sign;
-    }
-    return c.f;
-#endif
-}
-
-static inline uint16_t load_u16(const uint8_t* p) {
-    uint16_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline int64_t block_bytes(int fmt) {
-    switch (fmt) {
-        case Q4_0: return 18;
-        case Q4_1: return 20;
-        case Q8_0: return 34;
-        case I4: return 16;
-        default: return 32; /* I8 */
-    }
-}
 
 /* Block k of row n: its quants, scale d and offset m (w = d * q + m; int8 formats: m = 0). */
 typedef struct {
@@ -155,51 +114,10 @@ static inline void dequant_block(int fmt, Block b, float* w) {
 /* The sum of four accumulators' 32 lanes in a fixed tree: (a + b) + (c + d) lane by lane,
    then the halves, pairs and neighbours. */
 static inline float hsum8(__m256 a, __m256 b, __m256 c, __m256 d) {
-    /* -ffast-math lets the compiler reassociate these adds, and each inlined copy its own
-       way (one AVX2 tile summed a row otherwise than the next did): the empty asm pins
-       each partial sum, which costs nothing. */
+    /* Pinned as hsum_lanes pins its sums. */
     __m256 ab = _mm256_add_ps(a, b), cd = _mm256_add_ps(c, d);
     __asm__("" : "+x"(ab), "+x"(cd));
-    __m256 s = _mm256_add_ps(ab, cd);
-    __asm__("" : "+x"(s));
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    __asm__("" : "+x"(h));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    __asm__("" : "+x"(h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
-}
-
-/* GGUF block headers are read this many blocks of a row at a time. */
-#define HEADER_CHUNK 64
-
-/* The fp16 scale (and Q4_1's offset) of blocks k0 .. k0 + n - 1 of a GGUF row, as float32
-   pairs dm[2i] = d, dm[2i + 1] = m (0 where the format has none): sixteen (AVX2: eight)
-   conversions per instruction instead of one shuffle-bound conversion per value in the
-   block loop, and each block's d and m then broadcast straight from memory. */
-static inline void gguf_headers(const int fmt, const uint8_t* row, int64_t k0, int64_t n,
-                                float* dm) {
-    /* Each block's header as one 32-bit word, d in its low half (little-endian) and Q4_1's
-       m (else 0) in its high half: one load and one store a block. With a load and a
-       store per half, a batch-1 step's projections waited on the store port (SmolLM2's
-       rows of 576 have 18 blocks: the headers are a row's fixed cost); one of each took
-       them 7% faster. */
-    uint32_t pairs[HEADER_CHUNK + 8];
-    const uint8_t* b = row + k0 * block_bytes(fmt);
-    for (int64_t i = 0; i < n; i++, b += block_bytes(fmt)) {
-        uint32_t v = load_u16(b);
-        if (fmt == Q4_1) memcpy(&v, b, sizeof v);
-        pairs[i] = v;
-    }
-    for (int64_t i = n; i % 8; i++) pairs[i] = 0; /* the last conversion's tail */
-#if defined(__AVX512F__)
-    for (int64_t i = 0; i < n; i += 8)
-        _mm512_storeu_ps(dm + 2 * i,
-                         _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(pairs + i))));
-#else
-    for (int64_t i = 0; i < n; i += 4)
-        _mm256_storeu_ps(dm + 2 * i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(pairs + i))));
-#endif
+    return hsum_lanes(_mm256_add_ps(ab, cd));
 }
 
 /* Block k of row n: its quants, and where its scale d and offset m are (m NULL for the int8

@@ -44,7 +44,14 @@ logger = logging.getLogger(__name__)
 
 # The C sources, shipped in the package: compiled together into one shared library.
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
-_SOURCES = ("elementwise.c", "attention.c", "quant.c", "decode_stack.c", "affinity.c")
+_SOURCES = (
+    "elementwise.c",
+    "attention.c",
+    "quant.c",
+    "quant_a8.c",
+    "decode_stack.c",
+    "affinity.c",
+)
 
 # Kernel name suffix of each activation (model) dtype.
 _ACT_SUFFIXES: dict[torch.dtype, str] = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -220,13 +227,15 @@ class CpuKernels:
             rotary.argtypes = [ptr, ptr, i64, i64, i64, i64, i32]
             self._add_rmsnorm[act], self._silu_mul[act], self._rotary[act] = norm, silu, rotary
         # Per (GGUF format, activation dtype): y = x . W^T over the format's blocks.
-        self._qlinear: dict[tuple[str, torch.dtype], Any] = {}
+        # The same with int8 activations (quant_a8.c), keyed (format, activation dtype, True).
+        self._qlinear: dict[tuple[str, torch.dtype, bool], Any] = {}
         self._dequant_rows: dict[str, Any] = {}
         for fmt, (name, _) in QUANT_FORMATS.items():
             for act, suffix in _ACT_SUFFIXES.items():
-                qlinear = getattr(lib, f"rsgl_qlinear_{name}_{suffix}")
-                qlinear.argtypes = [ptr, i64, i64, ptr, i64, ptr, i32]
-                self._qlinear[fmt, act] = qlinear
+                for a8, infix in ((False, ""), (True, "_a8")):
+                    qlinear = getattr(lib, f"rsgl_qlinear_{name}{infix}_{suffix}")
+                    qlinear.argtypes = [ptr, i64, i64, ptr, i64, ptr, i32]
+                    self._qlinear[fmt, act, a8] = qlinear
             self._dequant_rows[fmt] = getattr(lib, f"rsgl_dequant_rows_{name}")
             self._dequant_rows[fmt].argtypes = [ptr, i64, ptr, i64, ptr]
         # Weights quantized at load time: one entry per activation dtype, the bits an argument.
@@ -271,10 +280,14 @@ class CpuKernels:
         fns = (self._add_rmsnorm[act], self._silu_mul[act], self._decode_layer[act, kv])
         return tuple(_address(fn) for fn in fns)  # type: ignore[return-value]
 
-    def qlinear_address(self, fmt: str | None, act: torch.dtype) -> int:
-        """The projection kernel over GGUF blocks of `fmt` (None: over load-time groups)."""
-        fn = self._qlinear_group[act] if fmt is None else self._qlinear[fmt, act]
-        return _address(fn)
+    def qlinear_address(
+        self, fmt: str | None, act: torch.dtype, int8_activations: bool = False
+    ) -> int:
+        """The projection kernel over GGUF blocks of `fmt` (None: over load-time groups),
+        exact or with `int8_activations`."""
+        if fmt is None:
+            return _address(self._qlinear_group[act])
+        return _address(self._qlinear[fmt, act, int8_activations])
 
     def decode_stack(
         self,
@@ -496,17 +509,20 @@ class CpuKernels:
         self._argmax[act](x.data_ptr(), rows, cols, out.data_ptr(), torch.get_num_threads())
         return out
 
-    def qlinear(self, x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+    def qlinear(
+        self, x: torch.Tensor, blocks: torch.Tensor, fmt: str, int8_activations: bool = False
+    ) -> torch.Tensor:
         """x [M, K] (float32 or bfloat16) times W^T, where W is stored as GGUF blocks of
         `fmt` (`QUANT_FORMATS`): blocks is uint8 [N, K / 32 * block bytes], one weight row
-        per row. Returns [M, N] of x's dtype."""
+        per row. Returns [M, N] of x's dtype. `int8_activations`: x quantized to int8 per
+        block of 32 first, as llama.cpp does (quant_a8.c; not the float32 product)."""
         act = _check(x)
         rows, k = _check_blocks(blocks, fmt, x.shape[1] if x.dim() == 2 else -1)
         if x.dim() != 2:
             raise ValueError("qlinear: x must be [M, K]")
         out = torch.empty((x.shape[0], rows), dtype=x.dtype)
         if x.shape[0]:
-            self._qlinear[fmt, act](
+            self._qlinear[fmt, act, int8_activations](
                 x.data_ptr(),
                 x.shape[0],
                 k,

@@ -177,7 +177,7 @@ class DecodeStack:
     def _proj(self, weight: LowBitWeight) -> _Proj:
         n, k = weight.shape
         if isinstance(weight, GGUFBlocks):
-            fn = self.kernels.qlinear_address(weight.fmt, self.act)
+            fn = self.kernels.qlinear_address(weight.fmt, self.act, weight.int8_activations)
             return _Proj(fn, None, self._hold(weight.data), None, None, k, n, k, 0)
         assert isinstance(weight, GroupQuantized)
         fn = self.kernels.qlinear_address(None, self.act)

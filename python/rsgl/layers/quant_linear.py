@@ -8,6 +8,9 @@ activations by it with rsgl's C kernels (`csrc/quant.c`), which rebuild each wei
 float32 exactly as the dequantized model holds it: the same numbers, a different summation
 order. For a GGUF file that is the file's own model, so greedy tokens match the dequantized
 float32 model's; int8 / int4 change the weights (measured by `rsgl bench quality`).
+`--quantization gguf_a8` keeps the file's blocks but quantizes the activations to int8 per
+block of 32, as llama.cpp does (`csrc/quant_a8.c`): integer dot products instead of
+rebuilt float32 weights, not the float32 model's logits.
 
 Decode batches are bound by memory traffic; large ones (prefill chunks, mixed steps) by
 arithmetic, where oneDNN's GEMM over a dense copy of the same (dequantized) values is
@@ -49,11 +52,14 @@ def low_bit_max_rows(kernels: CpuKernels, dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True, slots=True)
 class GGUFBlocks:
-    """A weight matrix as GGUF blocks: uint8 [rows, K / 32 * block bytes] of `fmt`."""
+    """A weight matrix as GGUF blocks: uint8 [rows, K / 32 * block bytes] of `fmt`,
+    multiplied by float activations as they are, or quantized to int8 first
+    (`int8_activations`, `--quantization gguf_a8`)."""
 
     kernels: CpuKernels
     fmt: str
     data: torch.Tensor
+    int8_activations: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -64,7 +70,7 @@ class GGUFBlocks:
         return int(self.data.numel())
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.qlinear(x, self.data, self.fmt)
+        return self.kernels.qlinear(x, self.data, self.fmt, self.int8_activations)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.kernels.dequant_rows(self.data, self.fmt, ids)

@@ -18,10 +18,8 @@ import torch
 from rsgl.layers.cpu_kernels import QUANT_FORMATS, CpuKernels
 from rsgl.layers.quant_linear import GGUFBlocks
 
-# Values of `--quantization` (SGLang's option name): gguf reads a GGUF file's blocks; int8
-# and int4 quantize any model's projections when it loads; none runs the weights as loaded;
-# None (auto) picks gguf for GGUF files where it can run.
-QUANTIZATIONS = ("gguf", "int8", "int4", "none")
+# The `--quantization` values (rsgl.args.QUANTIZATIONS) that read a GGUF file's blocks.
+GGUF_MODES = ("gguf", "gguf_a8")
 
 # GGUF tensor name (after `blk.N.`) -> HF parameter name (after `model.layers.N.`).
 _LAYER_TENSORS = {
@@ -50,9 +48,12 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def read_blocks(path: Path, kernels: CpuKernels) -> dict[str, GGUFBlocks]:
+def read_blocks(
+    path: Path, kernels: CpuKernels, int8_activations: bool = False
+) -> dict[str, GGUFBlocks]:
     """Every projection and embedding tensor of `path` stored in a format the kernels read
-    (`QUANT_FORMATS`), by HF name; tensors in other formats are left out (they stay dense)."""
+    (`QUANT_FORMATS`), by HF name; tensors in other formats are left out (they stay dense).
+    `int8_activations`: their products quantize the activations (`GGUFBlocks`)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
@@ -64,8 +65,8 @@ def read_blocks(path: Path, kernels: CpuKernels) -> dict[str, GGUFBlocks]:
             continue
         rows = int(tensor.shape[-1]) if len(tensor.shape) > 1 else 1
         data = np.array(tensor.data, dtype=np.uint8, copy=True).reshape(rows, -1)
-        out[name] = GGUFBlocks(kernels, fmt, torch.from_numpy(data))
+        out[name] = GGUFBlocks(kernels, fmt, torch.from_numpy(data), int8_activations)
     return out
 
 
-__all__ = ["QUANTIZATIONS", "hf_name", "read_blocks"]
+__all__ = ["GGUF_MODES", "hf_name", "read_blocks"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -339,7 +340,7 @@ class LlamaForCausalLM(nn.Module):
         rows, k = blocks.shape
         view = blocks.data.view(rows, k // QUANT_BLOCK, -1)
         part = self._rank_slice(name, view, column_unit=QUANT_BLOCK)
-        return GGUFBlocks(blocks.kernels, blocks.fmt, part.reshape(part.shape[0], -1).contiguous())
+        return dataclasses.replace(blocks, data=part.reshape(part.shape[0], -1).contiguous())
 
     @torch.no_grad()
     def use_gguf_blocks(self, blocks: Mapping[str, GGUFBlocks], max_rows: int) -> int:
@@ -361,7 +362,7 @@ class LlamaForCausalLM(nn.Module):
             if len(found) < len(parts) or len({b.fmt for b in found}) != 1:
                 continue
             data = torch.cat([b.data for b in found])
-            weight = GGUFBlocks(found[0].kernels, found[0].fmt, data)
+            weight = dataclasses.replace(found[0], data=data)
             _check_same_values(getattr(owner, attr).weight, weight)
             self._install(owner, attr, weight, max_rows)
             count += 1

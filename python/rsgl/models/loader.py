@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rsgl.args import QUANTIZATIONS
 from rsgl.cache_dir import rsgl_cache_dir
 from rsgl.layers.cpu_kernels import load_cpu_kernels
 from rsgl.layers.quant_linear import low_bit_max_rows
 from rsgl.models.config import ModelConfig
-from rsgl.models.gguf_weights import QUANTIZATIONS, read_blocks
+from rsgl.models.gguf_weights import GGUF_MODES, read_blocks
 from rsgl.models.llama import LlamaForCausalLM
 from rsgl.models.registry import model_class
 
@@ -192,7 +193,8 @@ def load_model(
     slice of the tp_size=1 dummy model.
 
     `quantization` (SGLang's `--quantization`): "gguf" serves the projections and the LM
-    head of a GGUF file from the file's own blocks (`rsgl.layers.quant_linear`); "int8" /
+    head of a GGUF file from the file's own blocks (`rsgl.layers.quant_linear`); "gguf_a8"
+    the same with activations quantized to int8, as llama.cpp computes; "int8" /
     "int4" quantize any model's projections as it loads (groups of
     `quantization_group_size` weights; default int8 per channel, int4 groups of 32) and its
     LM head to int8; "none" runs the weights as loaded (a GGUF file dequantized); None picks
@@ -221,9 +223,10 @@ def load_model(
     source = gguf_source(model)
     chosen = resolve_quantization(quantization, source, device, load_format)
     kernels = load_cpu_kernels() if chosen != "none" else None
-    if chosen == "gguf":
+    if chosen in GGUF_MODES:
         assert source is not None and kernels is not None
-        count = net.use_gguf_blocks(read_blocks(source, kernels), low_bit_max_rows(kernels, dtype))
+        blocks = read_blocks(source, kernels, int8_activations=chosen == "gguf_a8")
+        count = net.use_gguf_blocks(blocks, low_bit_max_rows(kernels, dtype))
         logger.info("%d weight matrices read %s's own blocks", count, source.name)
     elif chosen in ("int8", "int4"):
         assert kernels is not None
@@ -261,7 +264,7 @@ def resolve_quantization(
     if quantization == "none":
         return "none"
     wanted = quantization or "gguf"
-    if wanted == "gguf" and (source is None or load_format != "auto"):
+    if wanted in GGUF_MODES and (source is None or load_format != "auto"):
         obstacle = "needs a .gguf model loaded with load_format auto"
     elif device.type != "cpu":
         obstacle = f"runs on CPU (its kernels are C), not {device.type}"

@@ -1,0 +1,210 @@
+/* Projections over GGUF blocks with int8 activations (`--quantization gguf_a8`): what
+   llama.cpp computes for Q4_0, Q4_1 and Q8_0 weights (W4A8 / W8A8), y[M, N] = x[M, K] . W^T.
+
+   Each row of x is quantized per block of 32 values, as llama.cpp's Q8_1: dx = max|x| / 127,
+   qx = x / dx rounded to the nearest integer (ties to even), and sx = dx * sum(qx). A weight
+   block w = d * q + m (Q4_0: m = -8d; Q8_0: m = 0, q signed) then contributes
+
+       sum(w * x') = d * dx * sum(q * qx) + m * sx,
+
+   where x' = dx * qx is the quantized row and sum(q * qx) an exact integer sum: byte
+   products summed in pairs (maddubs), then in fours (madd), 8 lanes a block. Where the
+   exact kernels (quant.c) rebuild each float32 weight (a conversion and two multiply-adds
+   per 8 weights), this is two integer instructions and a conversion per 32 weights, and the
+   weights stay the file's; what changes is x, rounded to 8 bits per block. So the logits
+   are not the float32 model's: `rsgl bench quality --modes gguf_a8` measures the KL
+   divergence that costs.
+
+   Each (row of x, weight row) is summed in one order whatever the batch (8 lanes over the
+   blocks, then a fixed tree; the offsets' terms in a scalar beside), so a request's logits
+   do not depend on the batch it ran in. */
+#include "gguf_blocks.h"
+
+/* Row x[K] quantized per block: q[K] int8, and per block its scale dx and dx * sum(q). */
+static void quantize_row(const float* x, int64_t K, int8_t* q, float* dx, float* sx) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        const float* xb = x + b * QK;
+        float amax = 0.f;
+        for (int i = 0; i < QK; i++) {
+            const float a = xb[i] < 0.f ? -xb[i] : xb[i];
+            amax = a > amax ? a : amax;
+        }
+        const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+        int sum = 0;
+        for (int i = 0; i < QK; i++) {
+            const int v = (int)__builtin_rintf(xb[i] * id);
+            q[b * QK + i] = (int8_t)v;
+            sum += v;
+        }
+        dx[b] = d;
+        sx[b] = d * (float)sum;
+    }
+}
+
+/* Rows of x quantized: K bytes of q, then K / 32 floats of dx and of sx, per row. */
+typedef struct {
+    const int8_t* q;
+    const float* dx;
+    const float* sx;
+    int64_t K;
+} QRows;
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* A weight block's 32 quants as bytes in element order, and (Q8_0) its signs. Nibble byte
+   j holds element j (low half) and j + 16 (high half): the 16 bytes broadcast to both
+   halves, the high half shifted down 4, then masked. */
+static inline __m256i block_quants(int fmt, const uint8_t* q) {
+    if (fmt == Q8_0) return _mm256_loadu_si256((const __m256i*)q);
+    const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)q));
+    const __m256i shifted = _mm256_blend_epi32(both, _mm256_srli_epi16(both, 4), 0xf0);
+    return _mm256_and_si256(shifted, _mm256_set1_epi8(15));
+}
+
+/* sum(q * qx) of one block in 8 int32 lanes, as floats. maddubs multiplies unsigned bytes by
+   signed ones: nibbles are unsigned as they are; Q8_0's signed quants give their magnitudes
+   and their signs move onto qx (|qx| <= 127, so no product saturates: 2 * 15 * 127 and
+   2 * 128 * 127 fit in 16 bits). */
+static inline __m256 block_dot(int fmt, __m256i wq, const int8_t* qx) {
+    __m256i a = _mm256_loadu_si256((const __m256i*)qx);
+    if (fmt == Q8_0) {
+        a = _mm256_sign_epi8(a, wq);
+        wq = _mm256_abs_epi8(wq);
+    }
+    const __m256i pairs = _mm256_maddubs_epi16(wq, a);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+/* Rows x[0 .. R) times weight rows n .. n + W - 1 (R <= 4, W <= 2, constants in each inlined
+   copy), into y[r * N + n + i]. */
+static inline __attribute__((always_inline)) void a8_tile(const int fmt, const uint8_t* w,
+                                                          int64_t row_bytes, int64_t n,
+                                                          const QRows* x, const int R,
+                                                          const int W, float* y, int64_t N) {
+    __m256 acc[2][4];
+    float off[2][4];
+    for (int i = 0; i < W; i++)
+        for (int r = 0; r < R; r++) acc[i][r] = _mm256_setzero_ps(), off[i][r] = 0.f;
+    const int64_t nb = x->K / QK, qoff = fmt == Q4_1 ? 4 : 2;
+    float dm[2][2 * HEADER_CHUNK + 16];
+    for (int64_t c0 = 0; c0 < nb; c0 += HEADER_CHUNK) {
+        const int64_t c1 = c0 + HEADER_CHUNK < nb ? c0 + HEADER_CHUNK : nb;
+        for (int i = 0; i < W; i++) gguf_headers(fmt, w + (n + i) * row_bytes, c0, c1 - c0, dm[i]);
+        for (int64_t k = c0; k < c1; k++) {
+            for (int i = 0; i < W; i++) {
+                const uint8_t* b = w + (n + i) * row_bytes + k * block_bytes(fmt);
+                const float* d = dm[i] + 2 * (k - c0);
+                const float m = fmt == Q4_0 ? -8.f * d[0] : d[1];
+                const __m256 dv = _mm256_broadcast_ss(d);
+                const __m256i wq = block_quants(fmt, b + qoff);
+                for (int r = 0; r < R; r++) {
+                    const int64_t xb = r * nb + k;
+                    const __m256 s = _mm256_mul_ps(block_dot(fmt, wq, x->q + xb * QK),
+                                                   _mm256_broadcast_ss(x->dx + xb));
+                    acc[i][r] = _mm256_fmadd_ps(s, dv, acc[i][r]);
+                    if (fmt != Q8_0) off[i][r] = __builtin_fmaf(m, x->sx[xb], off[i][r]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < W; i++)
+        for (int r = 0; r < R; r++) y[r * N + n + i] = hsum_lanes(acc[i][r]) + off[i][r];
+}
+
+/* One instance per tile height: rows r .. r + R of x against weight rows n and n + 1. */
+static inline __attribute__((always_inline)) void a8_rows(const int fmt, const uint8_t* w,
+                                                          int64_t row_bytes, int64_t n,
+                                                          const QRows* x, int64_t R,
+                                                          int both, float* y, int64_t N) {
+#define A8_TILE(r) \
+    (both ? a8_tile(fmt, w, row_bytes, n, x, r, 2, y, N) : a8_tile(fmt, w, row_bytes, n, x, r, 1, y, N))
+    switch (R) {
+        case 1: A8_TILE(1); break;
+        case 2: A8_TILE(2); break;
+        case 3: A8_TILE(3); break;
+        default: A8_TILE(4); break;
+    }
+#undef A8_TILE
+}
+#else
+/* The same sums in plain C: per block an exact integer dot, scaled as above. */
+static inline void a8_rows(const int fmt, const uint8_t* w, int64_t row_bytes, int64_t n,
+                           const QRows* x, int64_t R, int both, float* y, int64_t N) {
+    const int64_t nb = x->K / QK, qoff = fmt == Q4_1 ? 4 : 2;
+    for (int i = 0; i <= both; i++)
+        for (int64_t r = 0; r < R; r++) {
+            float acc = 0.f, off = 0.f;
+            for (int64_t k = 0; k < nb; k++) {
+                const uint8_t* b = w + (n + i) * row_bytes + k * block_bytes(fmt);
+                const float d = f16_to_f32(load_u16(b));
+                const float m = fmt == Q4_1 ? f16_to_f32(load_u16(b + 2)) : -8.f * d;
+                const uint8_t* q = b + qoff;
+                const int8_t* qx = x->q + (r * nb + k) * QK;
+                int32_t dot = 0;
+                for (int j = 0; j < QK; j++) {
+                    const int wq = fmt == Q8_0 ? (int8_t)q[j] : j < 16 ? q[j] & 15 : q[j - 16] >> 4;
+                    dot += wq * qx[j];
+                }
+                acc += (float)dot * x->dx[r * nb + k] * d;
+                if (fmt != Q8_0) off += m * x->sx[r * nb + k];
+            }
+            y[r * N + n + i] = acc + off;
+        }
+}
+#endif
+
+/* Rows of x handled together: each weight row pair is read once per this many rows. */
+#define A8_ROWS 4
+
+static void qlinear_a8_f32(int fmt, const float* x, int64_t M, int64_t K, const uint8_t* w,
+                           int64_t N, float* y, int threads) {
+    const int64_t nb = K / QK;
+    char* buf = (char*)malloc((size_t)(M * K + 2 * M * nb * (int64_t)sizeof(float)));
+    if (!buf) abort();
+    float* dx = (float*)buf;
+    float* sx = dx + M * nb;
+    int8_t* q = (int8_t*)(sx + M * nb);
+    for (int64_t r = 0; r < M; r++) quantize_row(x + r * K, K, q + r * K, dx + r * nb, sx + r * nb);
+    const int64_t row_bytes = nb * block_bytes(fmt);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N * M * K >= 65536)
+    for (int64_t n = 0; n < N; n += 2) {
+        /* Weight rows are short and streamed from memory: ask for the rows 8 ahead. */
+        prefetch_bytes(w + (n + 8) * row_bytes, 2 * row_bytes);
+        const int both = n + 1 < N;
+        for (int64_t r = 0; r < M; r += A8_ROWS) {
+            const int64_t R = M - r < A8_ROWS ? M - r : A8_ROWS;
+            const QRows rows = {q + r * K, dx + r * nb, sx + r * nb, K};
+            /* One instance per format, so each inner loop knows its block layout. */
+            switch (fmt) {
+                case Q4_0: a8_rows(Q4_0, w, row_bytes, n, &rows, R, both, y + r * N, N); break;
+                case Q4_1: a8_rows(Q4_1, w, row_bytes, n, &rows, R, both, y + r * N, N); break;
+                default: a8_rows(Q8_0, w, row_bytes, n, &rows, R, both, y + r * N, N); break;
+            }
+        }
+    }
+    free(buf);
+}
+
+static void qlinear_a8_bf16(int fmt, const uint16_t* x, int64_t M, int64_t K, const uint8_t* w,
+                            int64_t N, uint16_t* y, int threads) {
+    float* xf = (float*)malloc((size_t)(M * K + M * N) * sizeof(float));
+    if (!xf) abort();
+    float* yf = xf + M * K;
+    widen_bf16(x, xf, M * K);
+    qlinear_a8_f32(fmt, xf, M, K, w, N, yf, threads);
+    for (int64_t i = 0; i < M * N; i++) bf16_store(y, i, yf[i]);
+    free(xf);
+}
+
+#define A8_FORMAT(name, fmt)                                                                   \
+    void rsgl_qlinear_##name##_a8_f32(const float* x, int64_t M, int64_t K, const uint8_t* w, \
+                                      int64_t N, float* y, int threads) {                      \
+        qlinear_a8_f32(fmt, x, M, K, w, N, y, threads);                                        \
+    }                                                                                          \
+    void rsgl_qlinear_##name##_a8_bf16(const uint16_t* x, int64_t M, int64_t K,                \
+                                       const uint8_t* w, int64_t N, uint16_t* y, int threads) { \
+        qlinear_a8_bf16(fmt, x, M, K, w, N, y, threads);                                       \
+    }
+
+A8_FORMAT(q4_0, Q4_0)
+A8_FORMAT(q4_1, Q4_1)
+A8_FORMAT(q8_0, Q8_0)
