@@ -46,6 +46,14 @@ def spec() -> Iterator[Engine]:
         yield llm
 
 
+@pytest.fixture(scope="module")
+def drafting() -> Iterator[Engine]:
+    """Speculation on every step it can: how many drafts are accepted, whatever the
+    adaptive policy would choose from this machine's step costs."""
+    with make_engine(**SPEC, disable_speculative_adaptive=True) as llm:
+        yield llm
+
+
 def _spec(engine: Engine) -> dict[str, float]:
     stats: dict[str, float] = engine.get_server_info()["speculative"]
     return stats
@@ -78,13 +86,16 @@ def test_one_request_at_a_time_gives_the_same_tokens(plain: Engine, spec: Engine
     spec.check_integrity()
 
 
-def test_copy_heavy_chat_accepts_most_drafts(plain: Engine, spec: Engine) -> None:
+def test_copy_heavy_chat_accepts_most_drafts(plain: Engine, drafting: Engine) -> None:
+    # The adaptive policy may run this batch plain after its first tries (on an AMD Zen 3
+    # it committed 6 tokens in 4 verified rows, then stopped drafting), so the engine here
+    # drafts on every step.
     messages = copy_heavy_messages(3, seed=1)
     params = {"temperature": 0.0, "max_new_tokens": 64}
-    before = _spec(spec)
-    got = spec.generate(messages=messages, sampling_params=params)
+    before = _spec(drafting)
+    got = drafting.generate(messages=messages, sampling_params=params)
     assert _ids(got) == _ids(plain.generate(messages=messages, sampling_params=params))
-    after = _spec(spec)
+    after = _spec(drafting)
     rows = after["spec_drafted_rows"] - before["spec_drafted_rows"]
     tokens = after["spec_committed_tokens"] - before["spec_committed_tokens"]
     # Each verified request row committed well over its one plain token on average.
@@ -103,7 +114,7 @@ def test_copy_heavy_chat_accepts_most_drafts(plain: Engine, spec: Engine) -> Non
         accepted_per_verify = m["spec_accept_token_num"] / m["spec_verify_ct"]
         assert m["spec_accept_length"] == pytest.approx(1 + accepted_per_verify)
     assert "spec_verify_ct" not in plain.generate("Hi", {"max_new_tokens": 2})["meta_info"]
-    spec.check_integrity()
+    drafting.check_integrity()
 
 
 def test_seeded_sampling_gives_the_same_tokens(plain: Engine, spec: Engine) -> None:
