@@ -16,12 +16,13 @@
    divergence that costs.
 
    Each (row of x, weight row) is summed in one order whatever the batch (8 lanes over the
-   blocks, then a fixed tree; the offsets' terms in a scalar beside), so a request's logits
-   do not depend on the batch it ran in. */
+   blocks, then a fixed tree; the offsets' terms in four lanes beside, one block each), so a
+   request's logits do not depend on the batch it ran in. */
 #include "gguf_blocks.h"
 
-/* Row x[K] quantized per block: q[K] int8, and per block its scale dx and dx * sum(q). */
-static void quantize_row(const float* x, int64_t K, int8_t* q, float* dx, float* sx) {
+/* Row x[K] quantized per block: q[K] int8, and per block the pair (dx, dx * sum(q)) in
+   ds[2b], ds[2b + 1]. */
+static void quantize_row(const float* x, int64_t K, int8_t* q, float* ds) {
     for (int64_t b = 0; b < K / QK; b++) {
         const float* xb = x + b * QK;
         float amax = 0.f;
@@ -36,18 +37,25 @@ static void quantize_row(const float* x, int64_t K, int8_t* q, float* dx, float*
             q[b * QK + i] = (int8_t)v;
             sum += v;
         }
-        dx[b] = d;
-        sx[b] = d * (float)sum;
+        ds[2 * b] = d;
+        ds[2 * b + 1] = d * (float)sum;
     }
 }
 
-/* Rows of x quantized: K bytes of q, then K / 32 floats of dx and of sx, per row. */
+/* Blocks per row of the pairs array: a multiple of 4, the tail zero (one AVX2 register
+   holds four blocks' pairs). */
+static inline int64_t pair_blocks(int64_t nb) { return (nb + 3) & ~(int64_t)3; }
+
+/* Rows of x quantized: K bytes of q per row, and pair_blocks(K / 32) pairs per row. */
 typedef struct {
     const int8_t* q;
-    const float* dx;
-    const float* sx;
+    const float* ds;
     int64_t K;
 } QRows;
+
+/* Weight rows taken together per tile height: a lone row of x takes four (more loads of x
+   shared, fewer row setups), taller tiles two. */
+static inline int64_t a8_weight_rows(int64_t R) { return R == 1 ? 4 : 2; }
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 /* A weight block's 32 quants as bytes in element order, and (Q8_0) its signs. Nibble byte
@@ -74,63 +82,85 @@ static inline __m256 block_dot(int fmt, __m256i wq, const int8_t* qx) {
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 
-/* Rows x[0 .. R) times weight rows n .. n + W - 1 (R <= 4, W <= 2, constants in each inlined
-   copy), into y[r * N + n + i]. */
+/* Four blocks' (d, m) pairs times x's (dx, sx) pairs: each block's scale d * dx in the even
+   lanes, its offset term m * sx in the odd ones (Q4_0's m is -8d). */
+static inline __m256 pair_products(int fmt, __m256 w, const float* ds) {
+    if (fmt == Q4_0)
+        w = _mm256_mul_ps(_mm256_moveldup_ps(w), _mm256_setr_ps(1, -8, 1, -8, 1, -8, 1, -8));
+    return _mm256_mul_ps(w, _mm256_loadu_ps(ds));
+}
+
+/* Rows x[0 .. R) times weight rows n .. n + W - 1 (R * W <= 8, constants in each inlined
+   copy), into y[r * N + n + i]. A chunk of blocks first gets every (weight row, x row)'s
+   block scales and offset terms, four blocks a multiply; the block loop is then the integer
+   dot and one multiply-add. */
 static inline __attribute__((always_inline)) void a8_tile(const int fmt, const uint8_t* w,
                                                           int64_t row_bytes, int64_t n,
                                                           const QRows* x, const int R,
                                                           const int W, float* y, int64_t N) {
-    __m256 acc[2][4];
-    float off[2][4];
+    __m256 acc[4][4], offs[4][4];
     for (int i = 0; i < W; i++)
-        for (int r = 0; r < R; r++) acc[i][r] = _mm256_setzero_ps(), off[i][r] = 0.f;
-    const int64_t nb = x->K / QK, qoff = fmt == Q4_1 ? 4 : 2;
-    float dm[2][2 * HEADER_CHUNK + 16];
+        for (int r = 0; r < R; r++) acc[i][r] = offs[i][r] = _mm256_setzero_ps();
+    const int64_t nb = x->K / QK, np = pair_blocks(nb), qoff = fmt == Q4_1 ? 4 : 2;
+    float sc[4][4][2 * HEADER_CHUNK];
     for (int64_t c0 = 0; c0 < nb; c0 += HEADER_CHUNK) {
         const int64_t c1 = c0 + HEADER_CHUNK < nb ? c0 + HEADER_CHUNK : nb;
-        for (int i = 0; i < W; i++) gguf_headers(fmt, w + (n + i) * row_bytes, c0, c1 - c0, dm[i]);
+        for (int i = 0; i < W; i++)
+            for (int64_t j = 0; j < c1 - c0; j += 4) {
+                const uint8_t* b = w + (n + i) * row_bytes + (c0 + j) * block_bytes(fmt);
+                const __m256 h = header_pairs(fmt, b, c1 - c0 - j);
+                for (int r = 0; r < R; r++) {
+                    const __m256 p = pair_products(fmt, h, x->ds + r * 2 * np + 2 * (c0 + j));
+                    _mm256_storeu_ps(sc[i][r] + 2 * j, p);
+                    offs[i][r] = _mm256_add_ps(offs[i][r], p);
+                }
+            }
         for (int64_t k = c0; k < c1; k++) {
             for (int i = 0; i < W; i++) {
-                const uint8_t* b = w + (n + i) * row_bytes + k * block_bytes(fmt);
-                const float* d = dm[i] + 2 * (k - c0);
-                const float m = fmt == Q4_0 ? -8.f * d[0] : d[1];
-                const __m256 dv = _mm256_broadcast_ss(d);
-                const __m256i wq = block_quants(fmt, b + qoff);
+                const __m256i wq = block_quants(fmt, w + (n + i) * row_bytes + k * block_bytes(fmt) + qoff);
                 for (int r = 0; r < R; r++) {
-                    const int64_t xb = r * nb + k;
-                    const __m256 s = _mm256_mul_ps(block_dot(fmt, wq, x->q + xb * QK),
-                                                   _mm256_broadcast_ss(x->dx + xb));
-                    acc[i][r] = _mm256_fmadd_ps(s, dv, acc[i][r]);
-                    if (fmt != Q8_0) off[i][r] = __builtin_fmaf(m, x->sx[xb], off[i][r]);
+                    const __m256 s = _mm256_broadcast_ss(sc[i][r] + 2 * (k - c0));
+                    acc[i][r] = _mm256_fmadd_ps(block_dot(fmt, wq, x->q + (r * nb + k) * QK), s, acc[i][r]);
                 }
             }
         }
     }
+    const __m256 zero = _mm256_setzero_ps();
     for (int i = 0; i < W; i++)
-        for (int r = 0; r < R; r++) y[r * N + n + i] = hsum_lanes(acc[i][r]) + off[i][r];
+        for (int r = 0; r < R; r++) {
+            const float off = fmt == Q8_0 ? 0.f : hsum_lanes(_mm256_blend_ps(zero, offs[i][r], 0xaa));
+            y[r * N + n + i] = hsum_lanes(acc[i][r]) + off;
+        }
 }
 
-/* One instance per tile height: rows r .. r + R of x against weight rows n and n + 1. */
+/* One instance per tile shape: rows r .. r + R of x against weight rows n .. n + W - 1. */
 static inline __attribute__((always_inline)) void a8_rows(const int fmt, const uint8_t* w,
                                                           int64_t row_bytes, int64_t n,
                                                           const QRows* x, int64_t R,
-                                                          int both, float* y, int64_t N) {
-#define A8_TILE(r) \
-    (both ? a8_tile(fmt, w, row_bytes, n, x, r, 2, y, N) : a8_tile(fmt, w, row_bytes, n, x, r, 1, y, N))
+                                                          int64_t W, float* y, int64_t N) {
+#define A8_TILE(r, c) a8_tile(fmt, w, row_bytes, n, x, r, c, y, N)
+    if (R == 1) {
+        switch (W) {
+            case 1: A8_TILE(1, 1); break;
+            case 2: A8_TILE(1, 2); break;
+            case 3: A8_TILE(1, 3); break;
+            default: A8_TILE(1, 4); break;
+        }
+        return;
+    }
     switch (R) {
-        case 1: A8_TILE(1); break;
-        case 2: A8_TILE(2); break;
-        case 3: A8_TILE(3); break;
-        default: A8_TILE(4); break;
+        case 2: W == 1 ? A8_TILE(2, 1) : A8_TILE(2, 2); break;
+        case 3: W == 1 ? A8_TILE(3, 1) : A8_TILE(3, 2); break;
+        default: W == 1 ? A8_TILE(4, 1) : A8_TILE(4, 2); break;
     }
 #undef A8_TILE
 }
 #else
 /* The same sums in plain C: per block an exact integer dot, scaled as above. */
 static inline void a8_rows(const int fmt, const uint8_t* w, int64_t row_bytes, int64_t n,
-                           const QRows* x, int64_t R, int both, float* y, int64_t N) {
-    const int64_t nb = x->K / QK, qoff = fmt == Q4_1 ? 4 : 2;
-    for (int i = 0; i <= both; i++)
+                           const QRows* x, int64_t R, int64_t W, float* y, int64_t N) {
+    const int64_t nb = x->K / QK, np = pair_blocks(nb), qoff = fmt == Q4_1 ? 4 : 2;
+    for (int64_t i = 0; i < W; i++)
         for (int64_t r = 0; r < R; r++) {
             float acc = 0.f, off = 0.f;
             for (int64_t k = 0; k < nb; k++) {
@@ -139,45 +169,48 @@ static inline void a8_rows(const int fmt, const uint8_t* w, int64_t row_bytes, i
                 const float m = fmt == Q4_1 ? f16_to_f32(load_u16(b + 2)) : -8.f * d;
                 const uint8_t* q = b + qoff;
                 const int8_t* qx = x->q + (r * nb + k) * QK;
+                const float* ds = x->ds + r * 2 * np + 2 * k;
                 int32_t dot = 0;
                 for (int j = 0; j < QK; j++) {
                     const int wq = fmt == Q8_0 ? (int8_t)q[j] : j < 16 ? q[j] & 15 : q[j - 16] >> 4;
                     dot += wq * qx[j];
                 }
-                acc += (float)dot * x->dx[r * nb + k] * d;
-                if (fmt != Q8_0) off += m * x->sx[r * nb + k];
+                acc += (float)dot * (d * ds[0]);
+                if (fmt != Q8_0) off += m * ds[1];
             }
             y[r * N + n + i] = acc + off;
         }
 }
 #endif
 
-/* Rows of x handled together: each weight row pair is read once per this many rows. */
+/* Rows of x handled together: each weight row is read once per this many rows. */
 #define A8_ROWS 4
 
 static void qlinear_a8_f32(int fmt, const float* x, int64_t M, int64_t K, const uint8_t* w,
                            int64_t N, float* y, int threads) {
-    const int64_t nb = K / QK;
-    char* buf = (char*)malloc((size_t)(M * K + 2 * M * nb * (int64_t)sizeof(float)));
+    const int64_t nb = K / QK, np = pair_blocks(nb);
+    char* buf = (char*)calloc((size_t)(M * K + 2 * M * np * (int64_t)sizeof(float)), 1);
     if (!buf) abort();
-    float* dx = (float*)buf;
-    float* sx = dx + M * nb;
-    int8_t* q = (int8_t*)(sx + M * nb);
-    for (int64_t r = 0; r < M; r++) quantize_row(x + r * K, K, q + r * K, dx + r * nb, sx + r * nb);
-    const int64_t row_bytes = nb * block_bytes(fmt);
+    float* ds = (float*)buf;
+    int8_t* q = (int8_t*)(ds + 2 * M * np);
+    for (int64_t r = 0; r < M; r++) quantize_row(x + r * K, K, q + r * K, ds + r * 2 * np);
+    const int64_t row_bytes = nb * block_bytes(fmt), step = a8_weight_rows(M < A8_ROWS ? M : A8_ROWS);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N * M * K >= 65536)
-    for (int64_t n = 0; n < N; n += 2) {
+    for (int64_t n = 0; n < N; n += step) {
         /* Weight rows are short and streamed from memory: ask for the rows 8 ahead. */
-        prefetch_bytes(w + (n + 8) * row_bytes, 2 * row_bytes);
-        const int both = n + 1 < N;
+        prefetch_bytes(w + (n + 8) * row_bytes, step * row_bytes);
         for (int64_t r = 0; r < M; r += A8_ROWS) {
             const int64_t R = M - r < A8_ROWS ? M - r : A8_ROWS;
-            const QRows rows = {q + r * K, dx + r * nb, sx + r * nb, K};
-            /* One instance per format, so each inner loop knows its block layout. */
-            switch (fmt) {
-                case Q4_0: a8_rows(Q4_0, w, row_bytes, n, &rows, R, both, y + r * N, N); break;
-                case Q4_1: a8_rows(Q4_1, w, row_bytes, n, &rows, R, both, y + r * N, N); break;
-                default: a8_rows(Q8_0, w, row_bytes, n, &rows, R, both, y + r * N, N); break;
+            const QRows rows = {q + r * K, ds + r * 2 * np, K};
+            const int64_t end = n + step < N ? n + step : N;
+            for (int64_t j = n, W; j < end; j += W) {
+                W = end - j < a8_weight_rows(R) ? end - j : a8_weight_rows(R);
+                /* One instance per format, so each inner loop knows its block layout. */
+                switch (fmt) {
+                    case Q4_0: a8_rows(Q4_0, w, row_bytes, j, &rows, R, W, y + r * N, N); break;
+                    case Q4_1: a8_rows(Q4_1, w, row_bytes, j, &rows, R, W, y + r * N, N); break;
+                    default: a8_rows(Q8_0, w, row_bytes, j, &rows, R, W, y + r * N, N); break;
+                }
             }
         }
     }
