@@ -6,9 +6,12 @@ llama-server`) and pass its path. Both servers get the same threads (`--threads`
 `-t`, rsgl's `--cpu-threads`) and are measured one after the other:
 
 - `single`: one streamed completion at a time (llama-server with one slot, `-np 1`), the same
-  prompt and `--output-len` tokens (ignore_eos) each, `--runs` times: decode tok/s is the
-  tokens after the first over the time after the first (TTFT reported apart), median of the
-  runs;
+  prompt and `--output-len` tokens (ignore_eos) each: decode tok/s is the tokens after the
+  first over the time after the first (TTFT reported apart). Every server is up at once (an
+  idle one takes no CPU) and the `--runs` rounds alternate them, one stream each in turn:
+  a VM's speed drifts by a third within minutes, so a ratio is only worth its rounds' pairs
+  (`rsgl_over_llama_cpp`: the median of the rounds' ratios; the medians' ratio beside it).
+  `--rsgl-flags` given more than once runs one rsgl server per value in the same rounds;
 - `serving`: `--num-prompts` streamed completions at `--concurrency` at once (llama-server with
   that many slots and a context to hold them), output tokens per second over the whole run.
 
@@ -21,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import itertools
 import json
 import os
 import shlex
@@ -87,20 +92,38 @@ async def one_stream(
     return first - start, last - first, tokens
 
 
-async def single(url: str, output_len: int, runs: int) -> dict[str, Any]:
+async def single(urls: dict[str, str], output_len: int, runs: int) -> dict[str, dict[str, Any]]:
+    """Per server: decode tok/s of each round's stream, the servers alternated within a
+    round (each round starts with the next server, so none always goes first)."""
     # No kept-alive connection (see `serving`).
     no_reuse = httpx.Limits(max_keepalive_connections=0)
+    names = list(urls)
+    results: dict[str, list[tuple[float, float, int]]] = {name: [] for name in names}
     async with httpx.AsyncClient(timeout=600, limits=no_reuse) as client:
-        await one_stream(client, url, 8)  # warm-up
-        results = [await one_stream(client, url, output_len) for _ in range(runs)]
-    # ignore_eos: every run generates output_len tokens, however they are split into chunks.
-    rates = [(output_len - 1) / d for _, d, _ in results if d > 0]
-    return {
-        "decode_tok_s_median": round(statistics.median(rates), 1),
-        "decode_tok_s_runs": [round(r, 1) for r in rates],
-        "ttft_ms_median": round(1000 * statistics.median(t for t, _, _ in results), 1),
-        "chunks_per_run": [n for _, _, n in results],
-    }
+        for name in names:
+            await one_stream(client, urls[name], 8)  # warm-up
+        for round_ in range(runs):
+            for i in range(len(names)):
+                name = names[(round_ + i) % len(names)]
+                results[name].append(await one_stream(client, urls[name], output_len))
+    rows = {}
+    for name, runs_ in results.items():
+        # ignore_eos: every run generates output_len tokens, however they are split into chunks.
+        rates = [(output_len - 1) / d if d > 0 else float("nan") for _, d, _ in runs_]
+        rows[name] = {
+            "decode_tok_s_median": round(statistics.median(rates), 1),
+            "decode_tok_s_runs": [round(r, 1) for r in rates],
+            "ttft_ms_median": round(1000 * statistics.median(t for t, _, _ in runs_), 1),
+            "chunks_per_run": [n for _, _, n in runs_],
+        }
+    return rows
+
+
+def rsgl_names(flag_sets: list[str]) -> dict[str, str]:
+    """Server name -> its extra `rsgl serve` flags: plain `rsgl` for one set."""
+    if len(flag_sets) <= 1:
+        return {"rsgl": flag_sets[0] if flag_sets else ""}
+    return {f"rsgl {flags}".strip(): flags for flags in flag_sets}
 
 
 # No connection is reused: llama-server (cpp-httplib) closes a kept-alive connection after a
@@ -124,6 +147,29 @@ async def serving(url: str, output_len: int, num_prompts: int, concurrency: int)
     return {"output_tok_s": round(sum(counts) / elapsed, 1), "elapsed_s": round(elapsed, 1)}
 
 
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    proc.wait(timeout=60)
+
+
+def ratios(
+    results: dict[tuple[str, str], dict[str, Any]], name: str, part: str
+) -> dict[str, Any]:
+    """rsgl over llama.cpp: for `single` the median of the rounds' ratios (each round's two
+    streams ran minutes apart at most) and the medians' ratio; for `serving` the one ratio."""
+    mine, theirs = results[name, part], results["llama.cpp", part]
+    if part != "single":
+        return {"rsgl_over_llama_cpp": round(mine["output_tok_s"] / theirs["output_tok_s"], 3)}
+    paired = [
+        a / b for a, b in zip(mine["decode_tok_s_runs"], theirs["decode_tok_s_runs"], strict=True)
+    ]
+    return {
+        "rsgl_over_llama_cpp": round(statistics.median(paired), 3),
+        "rsgl_over_llama_cpp_runs": [round(r, 3) for r in paired],
+        "medians_ratio": round(mine["decode_tok_s_median"] / theirs["decode_tok_s_median"], 3),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -136,7 +182,13 @@ def main() -> int:
     parser.add_argument("--parts", default="single,serving")
     parser.add_argument("--num-prompts", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--rsgl-flags", default="", help="extra `rsgl serve` flags")
+    parser.add_argument(
+        "--rsgl-flags",
+        action="append",
+        default=[],
+        help="extra `rsgl serve` flags; more than once: one rsgl server per value, "
+        "compared in the same rounds (single)",
+    )
     parser.add_argument(
         "--llama-flags",
         default="",
@@ -146,43 +198,44 @@ def main() -> int:
     args = parser.parse_args()
     gguf = Path(args.model) if args.model else embedded_gguf_path()
     parts = args.parts.split(",")
+    rsgl = rsgl_names(args.rsgl_flags)
     results: dict[tuple[str, str], dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for part in parts:
-            slots = 1 if part == "single" else args.concurrency
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as servers:
+        launched = itertools.count()
+
+        def launch(name: str, slots: int) -> str:
             ctx = slots * (args.output_len + 128)
-            for name in ("rsgl", "llama.cpp"):
-                if name == "rsgl":
-                    flags = ["--model-path", str(gguf), "--cpu-threads", str(args.threads)]
-                    flags += shlex.split(args.rsgl_flags)
-                    proc, url = start_server(Path(tmp) / "rsgl.log", *flags)
-                else:
-                    log = Path(tmp) / "llama.log"
-                    proc, url = start_llama(
-                        args.llama_server,
-                        gguf,
-                        args.threads,
-                        slots,
-                        ctx,
-                        log,
-                        shlex.split(args.llama_flags),
+            log = Path(tmp) / f"{next(launched)}.log"
+            if name in rsgl:
+                flags = ["--model-path", str(gguf), "--cpu-threads", str(args.threads)]
+                proc, url = start_server(log, *flags, *shlex.split(rsgl[name]))
+            else:
+                llama_flags = shlex.split(args.llama_flags)
+                proc, url = start_llama(
+                    args.llama_server, gguf, args.threads, slots, ctx, log, llama_flags
+                )
+            servers.callback(stop, proc)
+            return url
+
+        for part in parts:
+            if part == "single":
+                urls = {name: launch(name, 1) for name in [*rsgl, "llama.cpp"]}
+                rows = asyncio.run(single(urls, args.output_len, args.runs))
+                servers.close()
+            else:
+                rows = {}
+                for name in [*rsgl, "llama.cpp"]:  # one at a time: each takes every core
+                    url = launch(name, args.concurrency)
+                    rows[name] = asyncio.run(
+                        serving(url, args.output_len, args.num_prompts, args.concurrency)
                     )
-                try:
-                    if part == "single":
-                        row = asyncio.run(single(url, args.output_len, args.runs))
-                    else:
-                        row = asyncio.run(
-                            serving(url, args.output_len, args.num_prompts, args.concurrency)
-                        )
-                finally:
-                    proc.terminate()
-                    proc.wait(timeout=60)
+                    servers.close()
+            for name, row in rows.items():
                 results[name, part] = row
                 print(json.dumps({"server": name, "part": part, **row}), flush=True)
-    key = {"single": "decode_tok_s_median", "serving": "output_tok_s"}
     for part in parts:
-        ratio = results["rsgl", part][key[part]] / results["llama.cpp", part][key[part]]
-        print(json.dumps({"part": part, "rsgl_over_llama_cpp": round(ratio, 3)}))
+        for name in rsgl:
+            print(json.dumps({"part": part, "server": name, **ratios(results, name, part)}))
     return 0
 
 
