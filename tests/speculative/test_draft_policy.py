@@ -138,6 +138,23 @@ def test_steps_after_a_change_between_drafting_and_plain_add_no_seconds() -> Non
     assert policy.summary()["1"] == {"0": 0.4, "1": 0.3, "4": 0.5}
 
 
+@pytest.mark.parametrize(("accepting", "drafts"), [(3, False), (4, False), (7, True)])
+def test_drafting_is_chosen_only_where_it_saves_a_margin_of_plains_cost(
+    accepting: int, drafts: bool
+) -> None:
+    # Steps cost the same with and without a draft; `accepting` requests of 100 accept
+    # theirs: drafting commits 1.03, 1.04 or 1.07 tokens a request for plain's 1, 2.9%,
+    # 3.8% or 6.5% less a token (DRAFT_MARGIN: 5%).
+    policy = DraftPolicy(max_drafts=1, explore_every=10_000)
+    for _ in range(2 * TRY_STEPS + 10):
+        limit = policy.draft_limit()
+        accepted = [1] * accepting + [0] * (100 - accepting) if limit else None
+        policy.observe(100, limit, 100.0, accepted)
+    costs = policy.summary()["128"]
+    assert costs["1"] < costs["0"]  # drafting is cheaper per token ...
+    assert policy.draft_limit() == (1 if drafts else 0)  # ... but not always by enough
+
+
 def test_each_batch_size_group_decides_for_itself() -> None:
     policy = DraftPolicy(max_drafts=2, explore_every=1000)
     _steps(policy, 1, accepts=2, n=3 * TRY_STEPS)  # 1.5 / 3 a token at limit 2

@@ -12,7 +12,9 @@ configured maximum, the maximum) the one whose expected seconds per committed to
 
     cost(k) = seconds per request of a step at limit k / (1 + reach_1 + ... + reach_k),
 
-is least. The seconds are an exponential average per limit (they depend on the machine and
+is least (plain unless drafting saves `DRAFT_MARGIN` of its cost: the two are measured at
+different times, on machines whose speed drifts). The seconds are an exponential average
+per limit (they depend on the machine and
 the batch, and hardly vary from step to step); reach_j is the share of requests that accept
 at least j drafts at steps that allow j, averaged over every such step (a request accepts
 its j-th draft under a limit of k >= j exactly when it would under any other: n-gram and
@@ -47,6 +49,14 @@ REACH_ALPHA = 0.05
 # Steps of a try of a draft limit (the first is the change between drafting and plain, if
 # it is one).
 TRY_STEPS = 3
+# The share of plain's cost per committed token that drafting must be expected to save to be
+# chosen. Plain's seconds and a drafting limit's are measured at different times (a try
+# every 64-256 steps), and a VM's speed drifts by 5-10% within a minute: on a 2-core Zen 3,
+# free writing at temperature 0.7 and concurrency 16 measured drafting 0.2% cheaper than
+# plain (steps ~3% dearer, 2.8% of requests accepting a draft) while it served 7% fewer
+# tokens per second than no speculation. A gain within the margin is not worth risking a
+# loss as large.
+DRAFT_MARGIN = 0.05
 
 
 def ladder(max_drafts: int) -> list[int]:
@@ -97,11 +107,14 @@ class _Group:
         return seconds.value / (1.0 + sum(r.value for r in self.reach[:limit]))
 
     def chosen(self, rungs: list[int]) -> int | None:
-        """The rung that costs least per committed token (None: one is not measured)."""
+        """The rung that costs least per committed token, plain unless drafting saves
+        `DRAFT_MARGIN` of its cost (None: one is not measured). `rungs[0]` is plain."""
         costs = [self.cost(r) for r in rungs]
         if any(c is None for c in costs):
             return None
-        return rungs[costs.index(min(c for c in costs if c is not None))]
+        known = [c for c in costs if c is not None]
+        best = known.index(min(known))
+        return rungs[best] if known[best] < (1.0 - DRAFT_MARGIN) * known[0] else rungs[0]
 
 
 @dataclass(slots=True)
