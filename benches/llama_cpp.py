@@ -152,9 +152,7 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
     proc.wait(timeout=60)
 
 
-def ratios(
-    results: dict[tuple[str, str], dict[str, Any]], name: str, part: str
-) -> dict[str, Any]:
+def ratios(results: dict[tuple[str, str], dict[str, Any]], name: str, part: str) -> dict[str, Any]:
     """rsgl over llama.cpp: for `single` the median of the rounds' ratios (each round's two
     streams ran minutes apart at most) and the medians' ratio; for `serving` the one ratio."""
     mine, theirs = results[name, part], results["llama.cpp", part]
