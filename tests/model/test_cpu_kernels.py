@@ -18,6 +18,7 @@ from rsgl.cpu_features import cpu_flags
 from rsgl.layers.attention.torch_native import TorchNativeAttnBackend
 from rsgl.layers.cpu_kernels import CSRC, CpuKernels, compile_kernels, load_cpu_kernels
 from rsgl.layers.rotary import apply_rotary
+from rsgl.layers.sampler import race_uniforms
 from rsgl.model_executor.kv_cache import KVCache
 from rsgl.model_executor.model_runner import ModelRunner
 
@@ -63,6 +64,22 @@ def test_argmax_rows_picks_what_torch_argmax_picks(kernels: CpuKernels, dtype: t
     # Rows of one element, and more rows than threads.
     column = torch.randn(33, 1, generator=gen).to(dtype)
     assert kernels.argmax_rows(column).tolist() == [0] * 33
+
+
+def test_race_uniforms_are_the_torch_hash_bit_for_bit(kernels: CpuKernels) -> None:
+    gen = torch.Generator().manual_seed(0)
+    seeds = torch.randint(0, (1 << 63) - 1, (40,), generator=gen)
+    positions = torch.randint(0, 1 << 20, (40,), generator=gen)
+    # (125, 0) hashes token 45437 to the largest 24 bits (v + 0.5 rounds to 1.0: held
+    # below); this pair token 14138 to 2^24 - 2, whose v + 0.5 is a tie rounded to even
+    # (split into two roundings under -ffast-math, it rounded up).
+    seeds[:2] = torch.tensor([125, 5308518104502300029])
+    positions[:2] = torch.tensor([0, 478546])
+    got = kernels.race_uniforms(seeds, positions, 49152)
+    want = race_uniforms(seeds, positions, 49152)
+    assert torch.equal(got, want)
+    assert float(got[0, 45437]) == 1.0 - 2.0**-24 and float(got[1, 14138]) == 1.0 - 2.0**-23
+    assert kernels.race_uniforms(seeds[:1], positions[:1], 0).shape == (1, 0)
 
 
 def test_silu_mul_matches_torch_over_a_wide_range(kernels: CpuKernels) -> None:

@@ -1,7 +1,8 @@
-"""DraftPolicy: each batch-size group measures every draft limit of its ladder first, then
-runs the one with the least expected seconds per committed token (seconds per request at
-that limit over 1 + the shares of requests reaching each draft), tries its neighbours on the
-ladder less often while the tries confirm the choice, and follows a changed workload."""
+"""DraftPolicy: each batch-size group climbs the draft limits of its ladder while the next
+could still win, then runs the one with the least expected seconds per committed token
+(seconds per request at that limit over 1 + the shares of requests reaching each draft),
+tries its neighbours on the ladder less often while the tries confirm the choice and within
+a budget of what they waste, and follows a changed workload."""
 
 from __future__ import annotations
 
@@ -66,12 +67,13 @@ def test_a_cost_is_seconds_per_request_over_one_plus_the_reach_of_each_draft() -
     assert costs["2"] == pytest.approx(0.75 / (1 + 0.5 + 0.25))
 
 
-def test_measures_every_rung_then_keeps_the_cheapest_and_tries_its_neighbours() -> None:
-    policy = DraftPolicy(max_drafts=4, explore_every=8)
+def test_climbs_the_ladder_then_keeps_the_cheapest_and_tries_its_neighbours() -> None:
+    policy = DraftPolicy(max_drafts=4, explore_every=8, explore_budget=1.0)
     # Every request accepts 2 drafts: costs 1.0 plain, 0.65 at 1, 0.5 at 2, 0.73 at 4.
     limits = _steps(policy, 1, accepts=2, n=80)
-    # Top down (the maximum measures every reach), plain last: a try of TRY_STEPS each.
-    assert limits[: 4 * TRY_STEPS] == [r for r in (4, 2, 1, 0) for _ in range(TRY_STEPS)]
+    # Bottom up, a try of TRY_STEPS each; 4 could still win after 2 (if the drafts 3 and 4
+    # were accepted as often as the second: 1.5 / 5 a token), so it is measured too.
+    assert limits[: 4 * TRY_STEPS] == [r for r in (0, 1, 2, 4) for _ in range(TRY_STEPS)]
     rest = limits[4 * TRY_STEPS :]
     assert rest[0] == 2 and set(rest) == {1, 2, 4}  # plain is no neighbour of the choice
     tries = _runs(rest, 1) + _runs(rest, 4)
@@ -91,6 +93,19 @@ def test_acceptance_seen_at_a_higher_limit_turns_the_choice_down_without_a_try()
     assert 5 < turned < 40 and set(limits[turned:]) == {1}
 
 
+def test_a_large_batch_follows_acceptance_that_stops_within_a_few_steps() -> None:
+    # A share of 64 requests is a far steadier sample than one request's count: the
+    # choice leaves drafting within a few of its (dear) steps, where one request takes ~25.
+    turned_at = {}
+    for batch in (1, 64):
+        policy = DraftPolicy(max_drafts=4, explore_every=10_000)
+        _steps(policy, batch, accepts=2, n=4 * TRY_STEPS + 20)
+        assert policy.draft_limit() == 2
+        limits = _steps(policy, batch, accepts=0, n=60)
+        turned_at[batch] = limits.index(0)
+    assert turned_at[64] <= 8 < 20 <= turned_at[1]
+
+
 def test_a_changed_workload_is_followed_to_the_new_cheapest_rung() -> None:
     policy = DraftPolicy(max_drafts=4, explore_every=8)
     _steps(policy, 1, accepts=4, n=40)
@@ -106,7 +121,7 @@ def test_a_changed_workload_is_followed_to_the_new_cheapest_rung() -> None:
 
 def test_tries_grow_rarer_while_they_confirm_the_choice_and_reset_when_it_turns() -> None:
     seconds = {0: 1.0, 1: 1.2}
-    policy = DraftPolicy(max_drafts=1, explore_every=8, max_explore_every=64)
+    policy = DraftPolicy(max_drafts=1, explore_every=8, max_explore_every=64, explore_budget=1.0)
     limits = _steps(policy, 1, accepts=1, n=400, seconds=seconds)  # 0.6 a token drafting
     starts = [start for start, _ in _runs(limits, 0)][1:]  # after the first measurement
     gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
@@ -123,6 +138,40 @@ def test_tries_grow_rarer_while_they_confirm_the_choice_and_reset_when_it_turns(
     assert all(length == TRY_STEPS for _, length in tries[:-1])  # the last may be cut off
     starts = [start for start, _ in tries]
     assert starts[2] - starts[1] > starts[1] - starts[0]
+
+
+def test_the_climb_stops_where_the_next_rung_cannot_win() -> None:
+    # Batch 64: a verify of one draft a request costs 2.5x a plain step, and a tenth of the
+    # requests accept theirs. Even if every further draft were accepted as often, a step of
+    # 2 drafts (at least 2.5x plain) would commit 1.2 tokens a request: it is not measured.
+    policy = DraftPolicy(max_drafts=4, explore_every=10_000)
+    seconds = {0: 1.0, 1: 2.5, 2: 3.0, 4: 4.0}
+    for _ in range(40):
+        limit = policy.draft_limit()
+        accepted = [1] * 6 + [0] * 58 if limit else None
+        policy.observe(64, limit, seconds[limit] * 64, accepted)
+    assert set(policy.summary()["64"]) == {"0", "1"}
+    assert policy.draft_limit() == 0
+
+
+def test_tries_of_a_losing_rung_waste_at_most_the_budget() -> None:
+    # Plain is chosen; a try of one draft costs 2.5 / 1.1 of plain a token. Its TRY_STEPS
+    # steps waste ~3.8 plain steps, so tries come no more often than every 3.8 / 0.02 steps.
+    policy = DraftPolicy(max_drafts=1, explore_every=8, max_explore_every=64)
+    seconds = {0: 1.0, 1: 2.5}
+    limits = []
+    for _ in range(2000):
+        limit = policy.draft_limit()
+        limits.append(limit)
+        accepted = [1] * 10 + [0] * 90 if limit else None
+        policy.observe(100, limit, seconds[limit] * 100, accepted)
+    tries = _runs(limits, 1)[1:]  # after the first measurement
+    assert len(tries) >= 4
+    starts = [start for start, _ in tries]
+    assert min(b - a for a, b in zip(starts, starts[1:], strict=False)) >= 3.8 / 0.02
+    between = limits[starts[0] : starts[-1]]  # whole periods: tries and the steps after
+    wasted = sum(seconds[limit] / (1.1 if limit else 1.0) - 1.0 for limit in between)
+    assert wasted <= 0.02 * len(between)
 
 
 def test_steps_after_a_change_between_drafting_and_plain_add_no_seconds() -> None:

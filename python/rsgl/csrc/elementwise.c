@@ -32,6 +32,39 @@ void rsgl_apply_token_bitmask_f32(float* logits, int64_t stride, int64_t width,
     }
 }
 
+/* The uniforms of the sampler's exponential race (rsgl.layers.sampler.exponential_noise),
+   bit for bit: for row r and token i, a splitmix64-style hash of
+   seeds[r] * K1 + positions[r] * K2 + i * K3 (wrapping 64-bit arithmetic), whose top 24
+   bits v become (v + 0.5) / 2^24 rounded to float32, held below 1. out: [rows, vocab]
+   float32. */
+void rsgl_race_uniforms(const int64_t* seeds, const int64_t* positions, int64_t rows,
+                        int64_t vocab, float* out, int threads) {
+    const uint64_t k1 = (uint64_t)INT64_C(-7046029254386353131);
+    const uint64_t k2 = UINT64_C(0x632BE59BD9B4E019);
+    const uint64_t k3 = (uint64_t)INT64_C(-4658895280553007687);
+    const uint64_t k4 = (uint64_t)INT64_C(-7723592293110705685);
+    const float below_one = 1.0f - 0x1p-24f;
+#pragma omp parallel for num_threads(threads) schedule(static) \
+    if (rows > 1 && threads > 1 && rows * vocab > PARALLEL_MIN_ELEMS)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint64_t key = (uint64_t)seeds[r] * k1 + (uint64_t)positions[r] * k2;
+        float* row = out + r * vocab;
+#pragma omp simd
+        for (int64_t i = 0; i < vocab; i++) {
+            uint64_t x = key + (uint64_t)i * k3;
+            x ^= x >> 30;
+            x *= k3;
+            x ^= x >> 27;
+            x *= k4;
+            x ^= x >> 31;
+            /* (v + 0.5) / 2^24 as one rounding of the integer 2v + 1, then an exact
+               scaling: -ffast-math may not split it into another rounding. */
+            const float u = (float)(int32_t)(2 * (x >> 40) + 1) * 0x1p-25f;
+            row[i] = u < below_one ? u : below_one;
+        }
+    }
+}
+
 /* The instruction sets this library was compiled for, which pick the kernels' paths: the
    AVX-512 ones, the bf16 dot products, F16C conversions; else portable loops that the
    compiler vectorizes for whatever remains (AVX2 with FMA, or SSE2). */

@@ -248,6 +248,8 @@ class CpuKernels:
         self._dequant_rows_group.argtypes = [i32, ptr, ptr, ptr, i64, i64, ptr, i64, ptr]
         self._bitmask = lib.rsgl_apply_token_bitmask_f32
         self._bitmask.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, i32]
+        self._race_uniforms = lib.rsgl_race_uniforms
+        self._race_uniforms.argtypes = [ptr, ptr, i64, i64, ptr, i32]
         # A decode step through every layer of a low-bit model in one call (decode_stack.c).
         self._decode_stack = lib.rsgl_decode_stack
         self._decode_stack.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64]
@@ -271,6 +273,7 @@ class CpuKernels:
             *self._qlinear_group.values(),
             self._dequant_rows_group,
             self._bitmask,
+            self._race_uniforms,
         ):
             fn.restype = None
 
@@ -600,6 +603,28 @@ class CpuKernels:
             ids.data_ptr(),
             len(ids),
             out.data_ptr(),
+        )
+        return out
+
+    def race_uniforms(
+        self, seeds: torch.Tensor, positions: torch.Tensor, vocab: int
+    ) -> torch.Tensor:
+        """The uniforms [n, vocab] float32 of the sampler's exponential race for n (seed,
+        position) rows, exactly as `rsgl.layers.sampler.race_uniforms` computes them in
+        torch: ~20x faster on 2 cores (its int64 tensor ops read and write 8 bytes a token
+        each, ten times over)."""
+        _check_index(seeds, torch.int64)
+        _check_index(positions, torch.int64)
+        if seeds.dim() != 1 or positions.shape != seeds.shape or vocab < 0:
+            raise ValueError("race_uniforms: seeds and positions must be [n] alike")
+        out = torch.empty(seeds.shape[0], vocab, dtype=torch.float32)
+        self._race_uniforms(
+            seeds.data_ptr(),
+            positions.data_ptr(),
+            seeds.shape[0],
+            vocab,
+            out.data_ptr(),
+            torch.get_num_threads(),
         )
         return out
 

@@ -35,18 +35,30 @@ from rsgl.layers.cpu_kernels import QUANT_BLOCK, QUANT_FORMATS, CpuKernels
 # is kept below that crossover.
 DEFAULT_MAX_ROWS = 4
 
+# The same for int8 activations (`gguf_a8`): their integer dot products cost no weight
+# rebuild, so the blocks stay ahead much longer. SmolLM2's decode steps on the same Zen 3
+# (`rsgl bench one-batch --quantization gguf_a8`, ms a step, median of two alternated runs,
+# blocks vs dense): 56 vs 84 at batch 16, 77 vs 109 at 24, 119 vs 128 at 32, where the
+# matmuls alone already favour the dense copy.
+INT8_ACTIVATIONS_MAX_ROWS = 24
 
-def low_bit_max_rows(kernels: CpuKernels, dtype: torch.dtype) -> int:
-    """The rows up to which projections of `dtype` activations read low-bit weights.
+
+def low_bit_max_rows(
+    kernels: CpuKernels, dtype: torch.dtype, int8_activations: bool = False
+) -> int:
+    """The rows up to which projections of `dtype` activations read low-bit weights
+    (quantized to int8 first with `int8_activations`).
 
     The AVX-512 kernels rebuild a weight row once for 8 rows of x (`quant.c`), so the
     blocks stay ahead of the dense copy much longer. SmolLM2's decode steps on 2 Sapphire
     Rapids cores (`rsgl bench one-batch`, ms a step, blocks vs dense): float32 21.5 vs 73.6
     at batch 8, 41.6 vs 92.9 at 16, 93 vs 109 at 32, 199 vs 176 at 64; bfloat16 (whose dense
     copy runs on AMX) 26.3 vs 39.8 at 8, 34.4 vs 39.7 at 12, 51.3 vs 42.7 at 16. A CPU
-    without AMX runs the dense bfloat16 copy slower, so its crossover is no lower."""
+    without AMX runs the dense bfloat16 copy slower, so its crossover is no lower. The
+    int8-activation kernels have no AVX-512 form, so there they keep the exact kernels'
+    limits (not measured: no AVX-512 machine since they were written)."""
     if "avx512f" not in kernels.isa:
-        return DEFAULT_MAX_ROWS
+        return INT8_ACTIVATIONS_MAX_ROWS if int8_activations else DEFAULT_MAX_ROWS
     return 32 if dtype == torch.float32 else 12
 
 

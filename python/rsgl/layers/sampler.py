@@ -494,7 +494,20 @@ _BELOW_ONE = 1.0 - 2.0**-24
 
 
 def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Exp(1) noise [n, vocab], a pure function of (seed, position, token id).
+    """Exp(1) noise [n, vocab], a pure function of (seed, position, token id): -log of
+    `race_uniforms`, computed by the C kernel on CPU where it is built (the same bits)."""
+    uniform = None
+    if seeds.device.type == "cpu":
+        kernels = load_cpu_kernels()
+        if kernels is not None:
+            uniform = kernels.race_uniforms(seeds.contiguous(), positions.contiguous(), vocab)
+    if uniform is None:
+        uniform = race_uniforms(seeds, positions, vocab)
+    return uniform.log_().neg_()
+
+
+def race_uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniforms in (0, 1) [n, vocab], a pure function of (seed, position, token id).
 
     A splitmix64-style integer hash; int64 arithmetic wraps, and the top 24 bits become a
     uniform in (0, 1). The largest, (2**24 - 0.5) / 2**24, rounds to 1.0 in float32: it is
@@ -510,4 +523,4 @@ def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) 
     x = x * -7723592293110705685
     x = x ^ ((x >> 31) & 0x1FFFFFFFF)
     uniform = (((x >> 40) & 0xFFFFFF).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(uniform.clamp_max_(_BELOW_ONE))
+    return uniform.clamp_max_(_BELOW_ONE)

@@ -225,8 +225,9 @@ def load_model(
     kernels = load_cpu_kernels() if chosen != "none" else None
     if chosen in GGUF_MODES:
         assert source is not None and kernels is not None
-        blocks = read_blocks(source, kernels, int8_activations=chosen == "gguf_a8")
-        count = net.use_gguf_blocks(blocks, low_bit_max_rows(kernels, dtype))
+        int8_activations = chosen == "gguf_a8"
+        blocks = read_blocks(source, kernels, int8_activations=int8_activations)
+        count = net.use_gguf_blocks(blocks, low_bit_max_rows(kernels, dtype, int8_activations))
         logger.info("%d weight matrices read %s's own blocks", count, source.name)
     elif chosen in ("int8", "int4"):
         assert kernels is not None

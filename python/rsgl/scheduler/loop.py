@@ -676,6 +676,11 @@ class SchedulerLoop:
         if self._step_log is not None:
             record = dataclasses.asdict(StepShape.of(plan))
             record |= {"dp_rank": self._dp_rank, "seconds": seconds}
+            if self.draft_policy is not None:  # what the step's verify planned and accepted
+                record["draft_limit"] = launched.draft_limit
+                record["accepted_drafts"] = (
+                    0 if accept_lens is None else int(accept_lens.sum()) - len(accept_lens)
+                )
             self._step_log.write(json.dumps(record) + "\n")
         # Output row of each request's next token (one row per token of a verify step).
         index = None

@@ -27,13 +27,20 @@ no match) count as accepting none.
 Steps planned with a draft limit wait for the step before them (whether or not any request
 found drafts); plain steps (limit 0) overlap. A step just after a change between the two
 adds no seconds: it pays the change (a plain step after a verify has nothing to overlap
-with). A group first tries every rung of its ladder (the maximum first, which measures
-every reach; plain last), then runs the cheapest, and tries a neighbour of it on the ladder
-(above and below in turn: `TRY_STEPS` steps) every `explore_every` steps of the group, so
-that the reach above the choice and the seconds of its neighbours stay fresh and a change in
-the workload is followed a rung at a time. A try that leaves the choice as it was doubles
-the group's interval (up to `max_explore_every`: at batch 64 a verify step costs ~3 plain
-ones); a turn of the choice resets it.
+with).
+
+Measuring a rung costs what it wastes when it loses: at batch 64 on a 2-core Zen 3 a verify
+of 3 drafts a request costs ~6x a plain step, and trying every rung once cost a short
+serving run 10% of its time. So a group climbs its ladder from the bottom (`TRY_STEPS`
+steps each: plain, then 1 draft), and measures the next rung only while it could still win:
+its steps cost at least the rung below's, and the drafts it adds can be accepted at most as
+often as the last one measured. It then runs the cheapest rung, and tries a neighbour of it
+(above and below in turn) now and then, so that the reach above the choice and the seconds
+of its neighbours stay fresh and a change in the workload is followed a rung at a time. A
+try that leaves the choice as it was doubles the group's interval (up to
+`max_explore_every`), and the interval is at least what keeps the try's waste (its extra
+seconds per committed token over the choice's) within `explore_budget` of the group's
+steps; a turn of the choice resets it.
 """
 
 from __future__ import annotations
@@ -41,9 +48,13 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from math import ceil, sqrt
 
-# Weight of the newest step in a limit's seconds, and in a reach (a share of the step's
-# requests: noisy at small batches); a new average weighs its first steps 1/n each.
+# Weight of the newest step in a limit's seconds, and in a reach: a share of the step's
+# requests, as noisy as 1 / sqrt(batch), so a step of one request weighs REACH_ALPHA and
+# one of 16 or more ALPHA (a workload that stops accepting is followed within a few steps
+# of 64 requests, each of which may cost a few plain ones). A new average weighs its first
+# steps 1/n each.
 ALPHA = 0.2
 REACH_ALPHA = 0.05
 # Steps of a try of a draft limit (the first is the change between drafting and plain, if
@@ -57,6 +68,8 @@ TRY_STEPS = 3
 # tokens per second than no speculation. A gain within the margin is not worth risking a
 # loss as large.
 DRAFT_MARGIN = 0.05
+# The share of a group's time that tries of a losing rung may waste.
+EXPLORE_BUDGET = 0.02
 
 
 def ladder(max_drafts: int) -> list[int]:
@@ -107,14 +120,39 @@ class _Group:
         return seconds.value / (1.0 + sum(r.value for r in self.reach[:limit]))
 
     def chosen(self, rungs: list[int]) -> int | None:
-        """The rung that costs least per committed token, plain unless drafting saves
-        `DRAFT_MARGIN` of its cost (None: one is not measured). `rungs[0]` is plain."""
-        costs = [self.cost(r) for r in rungs]
-        if any(c is None for c in costs):
+        """The measured rung that costs least per committed token, plain unless drafting
+        saves `DRAFT_MARGIN` of its cost (None: a rung is still to be measured first).
+        `rungs[0]` is plain."""
+        if self.to_measure(rungs) is not None:
             return None
-        known = [c for c in costs if c is not None]
-        best = known.index(min(known))
-        return rungs[best] if known[best] < (1.0 - DRAFT_MARGIN) * known[0] else rungs[0]
+        return self.cheapest(rungs)
+
+    def cheapest(self, rungs: list[int]) -> int:
+        """`chosen` among the rungs measured (plain must be)."""
+        costs = {r: c for r in rungs if (c := self.cost(r)) is not None}
+        best = min(costs, key=costs.__getitem__)
+        return best if costs[best] < (1.0 - DRAFT_MARGIN) * costs[rungs[0]] else rungs[0]
+
+    def to_measure(self, rungs: list[int]) -> int | None:
+        """The lowest rung not measured yet, if it could still be the cheapest (None: every
+        such rung is measured)."""
+        if self.cost(rungs[0]) is None:
+            return rungs[0]
+        for below, rung in zip(rungs, rungs[1:], strict=False):
+            if self.cost(rung) is not None:
+                continue
+            if below == 0:
+                return rung  # nothing is known of the drafts' acceptance yet
+            cheapest = self.cheapest(rungs)
+            best = self.cost(cheapest)
+            assert best is not None
+            target = best if cheapest > 0 else (1.0 - DRAFT_MARGIN) * best
+            # At best: the steps cost the rung below's, every added draft reaches as far
+            # as the last one measured.
+            seconds, reach = self.seconds[below].value, self.reach[below - 1].value
+            tokens = 1.0 + sum(r.value for r in self.reach[:below]) + (rung - below) * reach
+            return rung if seconds / tokens < target else None
+        return None
 
 
 @dataclass(slots=True)
@@ -126,6 +164,7 @@ class DraftPolicy:
     adaptive: bool = True  # False: every step may draft `max_drafts` (SGLang's behaviour)
     explore_every: int = 64
     max_explore_every: int = 256
+    explore_budget: float = EXPLORE_BUDGET
     groups: dict[int, _Group] = field(default_factory=dict)
     batch: int = 1  # the last decode step's batch size: the next one's best guess
     rungs: list[int] = field(init=False)
@@ -150,13 +189,13 @@ class DraftPolicy:
             return group.trial
         if group.trial is not None:  # a try ended: did it leave the choice as it was?
             if group.judging and not group.turned:
-                interval = 2 * (group.interval or self.explore_every)
-                group.interval = min(interval, self.max_explore_every)
+                interval = min(2 * (group.interval or self.explore_every), self.max_explore_every)
+                group.interval = max(interval, self._budgeted(group, group.trial))
             group.trial = None
-        chosen = group.chosen(self.rungs)
-        if chosen is None:  # from the top down, plain last (one change of way)
-            unmeasured = [r for r in self.rungs if group.cost(r) is None]
-            return self._try(group, max(unmeasured), judging=False)
+        unmeasured = group.to_measure(self.rungs)
+        if unmeasured is not None:
+            return self._try(group, unmeasured, judging=False)
+        chosen = group.cheapest(self.rungs)
         group.since_try += 1
         if group.since_try < (group.interval or self.explore_every):
             return chosen
@@ -165,6 +204,14 @@ class DraftPolicy:
         trial = neighbours[-1] if group.upward else neighbours[0]
         group.upward = not group.upward
         return self._try(group, trial, judging=True)
+
+    def _budgeted(self, group: _Group, trial: int) -> int:
+        """The fewest steps between tries of `trial` that keep what a try of it wastes (its
+        extra cost per token over the choice's, for `TRY_STEPS` steps) within the budget."""
+        tried, chosen = group.cost(trial), group.cost(group.cheapest(self.rungs))
+        if tried is None or chosen is None or tried <= chosen:
+            return 0
+        return ceil(TRY_STEPS * (tried / chosen - 1.0) / self.explore_budget)
 
     @staticmethod
     def _try(group: _Group, limit: int, judging: bool) -> int:
@@ -187,9 +234,10 @@ class DraftPolicy:
         counts = sorted(accepted) if accepted is not None else [0] * batch
         while len(group.reach) < limit:
             group.reach.append(_Average())
+        steady = min(ALPHA, REACH_ALPHA * sqrt(batch))
         for j in range(limit):  # the share of requests that accepted more than j drafts
             # Reaches above the choice are measured by tries only: their steps weigh more.
-            alpha = ALPHA if before is not None and j >= before else REACH_ALPHA
+            alpha = ALPHA if before is not None and j >= before else steady
             group.reach[j].add(1.0 - bisect_right(counts, j) / batch, alpha)
         if last is None or (last > 0) == (limit > 0):  # not the step of a change of way
             group.seconds.setdefault(limit, _Average()).add(seconds / batch, ALPHA)

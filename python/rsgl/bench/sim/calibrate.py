@@ -205,9 +205,8 @@ def time_server_steps(
     shapes, seconds = [], []
     for line in recorded:
         step = json.loads(line)
-        seconds.append(float(step.pop("seconds")))
-        step.pop("dp_rank")
-        shapes.append(StepShape(**step))
+        seconds.append(float(step["seconds"]))
+        shapes.append(StepShape(**{f.name: step[f.name] for f in dataclasses.fields(StepShape)}))
     meta = _meta(
         engine,
         batches,
