@@ -5,18 +5,26 @@ dequantized model's greedy tokens."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
+from kquants import quantize_q4_k, requantized_copy
 
 from rsgl.args import EngineArgs
+from rsgl.engine import Engine
 from rsgl.layers.cpu_kernels import QUANT_FORMATS, CpuKernels, load_cpu_kernels
 from rsgl.layers.quant_linear import GGUFBlocks, GroupQuantized, QuantLinear
-from rsgl.models.gguf_weights import hf_name, read_blocks
-from rsgl.models.loader import embedded_gguf_path, load_model, resolve_quantization
+from rsgl.models.gguf_weights import hf_name, q4_k_groups, read_blocks
+from rsgl.models.loader import (
+    embedded_gguf_path,
+    load_model,
+    resolve_model_dir,
+    resolve_quantization,
+)
 
 
 @pytest.fixture(scope="module")
@@ -293,3 +301,72 @@ def test_a_quantized_model_computes_with_the_values_it_holds(
     assert head is not None and isinstance(head.weight, GroupQuantized) and head.weight.bits == 8
     x = torch.randn(3, 1536, generator=torch.Generator().manual_seed(10))
     torch.testing.assert_close(proj(x), x @ dense.T, rtol=1e-5, atol=1e-4)
+
+
+def test_q4_k_super_blocks_are_read_as_the_int4_groups_they_hold(kernels: CpuKernels) -> None:
+    # Random bytes are valid Q4_K blocks (with finite fp16 d and dmin): every scale and
+    # minimum bit pattern, every nibble. gguf's dequantize is the reference, bit for bit.
+    rng = np.random.default_rng(4)
+    rows, k = 7, 512
+    raw = rng.integers(0, 256, (rows, k // 256, 144), dtype=np.uint8)
+    headers = rng.uniform(-0.02, 0.02, (rows, k // 256, 2)).astype(np.float16)
+    raw[..., :4] = headers.view(np.uint8)
+    raw[0, 0, :4] = 0  # a zero super-block header
+    raw = raw.reshape(rows, -1)
+    weight = q4_k_groups(kernels, raw)
+    dense = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q4_K))
+    assert weight.shape == (rows, k) and (weight.bits, weight.group) == (4, 32)
+    assert torch.equal(weight.rows(torch.arange(rows)), dense)
+    eye = torch.eye(k)
+    assert torch.equal(weight.matmul(eye), dense.T.contiguous())
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(weight.matmul(x), x @ dense.T, rtol=1e-5, atol=1e-5)
+
+
+def test_the_test_quantizer_writes_q4_k_that_gguf_reads_back() -> None:
+    w = np.random.default_rng(6).standard_normal((5, 512)).astype(np.float32) * 0.05
+    w[0] = np.abs(w[0])  # no negative weight: a zero minimum
+    back = quants.dequantize(quantize_q4_k(w), GGMLQuantizationType.Q4_K)
+    # Each group's nibbles step by at most (max - min) / 15; 6-bit scales add a little.
+    step = (w.reshape(5, 16, 32).max(-1) - np.minimum(w.reshape(5, 16, 32).min(-1), 0)) / 15
+    error = np.abs(back - w).reshape(5, 16, 32).max(-1)
+    assert (error <= 0.75 * step + 1e-3 * np.abs(w).max()).all()
+
+
+@pytest.fixture(scope="module")
+def q4_k_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    # The embedded file with every ffn_down in Q4_K, as llama.cpp's Q4_K_M mixes: the
+    # other projections' rows (576 weights) are no multiple of a 256-weight super-block.
+    # Its conversion is cached in a directory of its own.
+    root = tmp_path_factory.mktemp("q4_k")
+    path = root / "SmolLM2-135M-Instruct.Q4_K-down.gguf"
+    requantized_copy(embedded_gguf_path(), path, {f"blk.{i}.ffn_down.weight" for i in range(30)})
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("rsgl.models.loader.rsgl_cache_dir", lambda: root / "cache")
+        resolve_model_dir(path)
+    yield path
+
+
+def test_a_q4_k_file_serves_its_super_blocks_with_the_dequantized_models_tokens(
+    kernels: CpuKernels, q4_k_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("rsgl.models.loader.rsgl_cache_dir", lambda: q4_k_model.parent / "cache")
+    loaded = load_model(str(q4_k_model), dtype=torch.float32, pack_weights=False)
+    assert loaded.quantization == "gguf"
+    layer = loaded.model.layers[3]
+    down, qkv = layer.mlp.down_proj, layer.self_attn.qkv_proj
+    assert isinstance(down, QuantLinear) and isinstance(down.weight, GroupQuantized)
+    assert (down.weight.bits, down.weight.group) == (4, 32)
+    assert isinstance(qkv, QuantLinear) and isinstance(qkv.weight, GGUFBlocks)
+    assert down.dense is not None
+    assert torch.equal(down.weight.rows(torch.arange(576)), down.dense.weight)
+    # Greedy tokens through the engine: the blocks and int4 groups against the dense model.
+    prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
+    params = {"temperature": 0.0, "max_new_tokens": 16}
+    outputs = {}
+    for mode in ("gguf", "none"):
+        with Engine(model_path=str(q4_k_model), quantization=mode, dtype="float32") as llm:
+            assert llm.get_server_info()["quantization"] == mode
+            outputs[mode] = [o["output_ids"] for o in llm.generate(prompts, params)]
+            llm.check_integrity()
+    assert outputs["gguf"] == outputs["none"]

@@ -6,6 +6,15 @@ embedding tensors a second time, without dequantizing them, keyed by the HF name
 loads under. llama.cpp's converter stores q and k rows in rotary pairs, which is the layout
 rsgl's attention uses too, so rows need no reordering; `LlamaForCausalLM.use_gguf_blocks`
 checks that sampled rows equal the loaded weights anyway.
+
+K-quant Q4_K super-blocks (256 weights: fp16 d and dmin, eight 6-bit scales and minimums,
+nibbles) are rewritten once into the load-time int4 form (`GroupQuantized`, groups of 32):
+the nibbles reordered into GGUF's 32-weight order, and each group's scale d * sc and
+minimum -dmin * m computed in float32 as gguf's dequantize computes them. Both products
+are exact (11 by 6 significant bits), and so is the scale times a nibble, so each weight
+is rounded once, at the minimum, by the int4 kernels as by the dequantizer: the same
+numbers, read as 6 bits a weight instead of 4.5 (the int4 kernels' float32 scale and
+minimum per 32) and 32. Other K-quants stay dense.
 """
 
 from __future__ import annotations
@@ -15,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rsgl.layers.cpu_kernels import QUANT_FORMATS, CpuKernels
-from rsgl.layers.quant_linear import GGUFBlocks
+from rsgl.layers.cpu_kernels import QUANT_BLOCK, QUANT_FORMATS, CpuKernels
+from rsgl.layers.quant_linear import GGUFBlocks, GroupQuantized, LowBitWeight
 
 # The `--quantization` values (rsgl.args.QUANTIZATIONS) that read a GGUF file's blocks.
 GGUF_MODES = ("gguf", "gguf_a8")
@@ -48,25 +57,67 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
+# Q4_K: weights per super-block, bytes per super-block, and the 32-weight groups in one.
+QK_K = 256
+Q4_K_BYTES = 144
+Q4_K_GROUPS = QK_K // QUANT_BLOCK
+
+
+def q4_k_groups(kernels: CpuKernels, data: np.ndarray) -> GroupQuantized:
+    """Q4_K rows (uint8 [rows, K / 256 * 144]) as the int4 groups of 32 they hold (see the
+    module doc)."""
+    rows = data.shape[0]
+    blocks = data.reshape(rows, -1, Q4_K_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+    # Twelve bytes: the low six bits of scales 0-3 (bytes 0-3) and of minimums 0-3 (4-7),
+    # then scales 4-7 and minimums 4-7 with their low four bits in bytes 8-11 (scale in the
+    # low nibble) and their top two in the free top bits of bytes 0-3 and 4-7.
+    low, mid, high = blocks[..., 4:8], blocks[..., 8:12], blocks[..., 12:16]
+    sc = np.concatenate([low & 63, (high & 15) | ((low >> 6) << 4)], axis=-1)
+    mn = np.concatenate([mid & 63, (high >> 4) | ((mid >> 6) << 4)], axis=-1)
+    scales = d * sc.astype(np.float32)
+    mins = -(dmin * mn.astype(np.float32))
+    # Each 64 weights are 32 bytes: group 2c in their low nibbles, group 2c + 1 in their
+    # high ones, weight l in byte l. GGUF's 32-weight order puts weights j and j + 16 of a
+    # group in byte j.
+    qs = blocks[..., 16:].reshape(rows, -1, Q4_K_GROUPS // 2, 1, 32)
+    values = (qs >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 15
+    values = values.reshape(rows, -1, QUANT_BLOCK)
+    packed = values[..., :16] | (values[..., 16:] << 4)
+    return GroupQuantized(
+        kernels,
+        4,
+        QUANT_BLOCK,
+        torch.from_numpy(np.ascontiguousarray(packed.reshape(rows, -1))),
+        torch.from_numpy(np.ascontiguousarray(scales.reshape(rows, -1))),
+        torch.from_numpy(np.ascontiguousarray(mins.reshape(rows, -1))),
+    )
+
+
 def read_blocks(
     path: Path, kernels: CpuKernels, int8_activations: bool = False
-) -> dict[str, GGUFBlocks]:
+) -> dict[str, LowBitWeight]:
     """Every projection and embedding tensor of `path` stored in a format the kernels read
-    (`QUANT_FORMATS`), by HF name; tensors in other formats are left out (they stay dense).
-    `int8_activations`: their products quantize the activations (`GGUFBlocks`)."""
+    (`QUANT_FORMATS`, and Q4_K as int4 groups), by HF name; tensors in other formats are
+    left out (they stay dense). `int8_activations`: the products of GGUF blocks quantize the
+    activations (`GGUFBlocks`); Q4_K's groups multiply them as they are."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
-    out: dict[str, GGUFBlocks] = {}
+    out: dict[str, LowBitWeight] = {}
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         fmt = tensor.tensor_type.name
-        if name is None or fmt not in QUANT_FORMATS:
+        if name is None or (fmt not in QUANT_FORMATS and fmt != "Q4_K"):
             continue
         rows = int(tensor.shape[-1]) if len(tensor.shape) > 1 else 1
         data = np.array(tensor.data, dtype=np.uint8, copy=True).reshape(rows, -1)
-        out[name] = GGUFBlocks(kernels, fmt, torch.from_numpy(data), int8_activations)
+        if fmt == "Q4_K":
+            out[name] = q4_k_groups(kernels, data)
+        else:
+            out[name] = GGUFBlocks(kernels, fmt, torch.from_numpy(data), int8_activations)
     return out
 
 
-__all__ = ["GGUF_MODES", "hf_name", "read_blocks"]
+__all__ = ["GGUF_MODES", "hf_name", "q4_k_groups", "read_blocks"]

@@ -334,22 +334,32 @@ class LlamaForCausalLM(nn.Module):
         else:
             setattr(owner, attr, QuantLinear(weight, dense, dense.bias, max_rows))
 
-    def _rank_blocks(self, name: str, blocks: GGUFBlocks) -> GGUFBlocks:
-        """This rank's part of checkpoint matrix `name` in GGUF blocks: whole blocks of 32
-        input columns, so a column split must fall on a block boundary."""
+    def _rank_blocks(self, name: str, blocks: LowBitWeight) -> LowBitWeight:
+        """This rank's part of checkpoint matrix `name` in low-bit form: whole blocks of 32
+        input columns (whole groups), so a column split must fall on a block boundary."""
         rows, k = blocks.shape
-        view = blocks.data.view(rows, k // QUANT_BLOCK, -1)
-        part = self._rank_slice(name, view, column_unit=QUANT_BLOCK)
-        return dataclasses.replace(blocks, data=part.reshape(part.shape[0], -1).contiguous())
+        if isinstance(blocks, GGUFBlocks):
+            view = blocks.data.view(rows, k // QUANT_BLOCK, -1)
+            part = self._rank_slice(name, view, column_unit=QUANT_BLOCK)
+            return dataclasses.replace(blocks, data=part.reshape(part.shape[0], -1).contiguous())
+
+        def split(t: torch.Tensor) -> torch.Tensor:
+            part = self._rank_slice(name, t.view(rows, k // blocks.group, -1), blocks.group)
+            return part.reshape(part.shape[0], -1).contiguous()
+
+        mins = None if blocks.mins is None else split(blocks.mins)
+        return dataclasses.replace(
+            blocks, q=split(blocks.q), scales=split(blocks.scales), mins=mins
+        )
 
     @torch.no_grad()
-    def use_gguf_blocks(self, blocks: Mapping[str, GGUFBlocks], max_rows: int) -> int:
+    def use_gguf_blocks(self, blocks: Mapping[str, LowBitWeight], max_rows: int) -> int:
         """Serve the projections and the LM head from a GGUF file's own blocks (HF names ->
-        `GGUFBlocks`, `rsgl.models.gguf_weights.read_blocks`) for batches of up to
-        `max_rows` rows; the dense weights (the same numbers) stay for larger ones. A fused
-        projection needs all of its parts in one format; matrices whose blocks are missing
-        stay dense. Call after `load_weights` and before `pack_cpu_weights`. Returns how
-        many matrices read blocks.
+        `GGUFBlocks`, or Q4_K's int4 groups: `rsgl.models.gguf_weights.read_blocks`) for
+        batches of up to `max_rows` rows; the dense weights (the same numbers) stay for
+        larger ones. A fused projection needs all of its parts in one form; matrices whose
+        blocks are missing stay dense. Call after `load_weights` and before
+        `pack_cpu_weights`. Returns how many matrices read blocks.
 
         The blocks must hold the loaded weights exactly: three rows of each are rebuilt and
         compared, and a mismatch (another row order, another file) is a ValueError."""
@@ -359,10 +369,9 @@ class LlamaForCausalLM(nn.Module):
             base, fused = name.rsplit(".", 1)
             parts = [f"{base}.{hf}.weight" for hf in _PARTS.get(fused, (fused,))]
             found = [self._rank_blocks(p, blocks[p]) for p in parts if p in blocks]
-            if len(found) < len(parts) or len({b.fmt for b in found}) != 1:
+            weight = _stacked(found) if len(found) == len(parts) else None
+            if weight is None:
                 continue
-            data = torch.cat([b.data for b in found])
-            weight = dataclasses.replace(found[0], data=data)
             _check_same_values(getattr(owner, attr).weight, weight)
             self._install(owner, attr, weight, max_rows)
             count += 1
@@ -584,6 +593,26 @@ class _Stack:
 
     stack: decode_stack.DecodeStack
     max_rows: int
+
+
+def _stacked(parts: list[LowBitWeight]) -> LowBitWeight | None:
+    """The parts of a fused projection as one matrix (their rows in order), or None unless
+    they share one form: GGUF blocks of one format, or groups of one width and bits."""
+    blocks = [p for p in parts if isinstance(p, GGUFBlocks)]
+    if blocks:
+        if len(blocks) < len(parts) or len({b.fmt for b in blocks}) != 1:
+            return None
+        return dataclasses.replace(blocks[0], data=torch.cat([b.data for b in blocks]))
+    groups = [p for p in parts if isinstance(p, GroupQuantized)]
+    if len({(g.bits, g.group, g.mins is None) for g in groups}) != 1:
+        return None
+    mins = [g.mins for g in groups if g.mins is not None]
+    return dataclasses.replace(
+        groups[0],
+        q=torch.cat([g.q for g in groups]),
+        scales=torch.cat([g.scales for g in groups]),
+        mins=torch.cat(mins) if mins else None,
+    )
 
 
 def _check_same_values(dense: torch.Tensor, weight: LowBitWeight) -> None:
