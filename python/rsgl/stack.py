@@ -24,6 +24,7 @@ from rsgl.grammar.backend import GrammarBackend, GrammarOptions
 from rsgl.grammar.compiler import GrammarCompiler
 from rsgl.grammar.registry import make_backend
 from rsgl.layers.cpu_kernels import load_cpu_kernels
+from rsgl.layers.quant_linear import QuantLinear
 from rsgl.model_executor.executor import StepExecutor, on_compute_thread, run_on_compute_thread
 from rsgl.model_executor.kv_cache import KVCache, resolve_kv_cache_dtype
 from rsgl.model_executor.model_runner import ModelRunner
@@ -79,9 +80,19 @@ class ModelStack:
             "compute_cpus": list(self.compute_cpus),
             # How the weights are held (`--quantization` resolved: gguf or none).
             "quantization": getattr(getattr(self.runner, "loaded", None), "quantization", "none"),
+            # Steps of up to this many rows read the low-bit weights, larger ones the dense
+            # copy (`rsgl.layers.quant_linear.low_bit_max_rows`; None: no low-bit weights).
+            "low_bit_max_rows": self._low_bit_max_rows(),
             "tp_size": max(1, len(self.tp_shards)),
             "tp_shards": [shard.to_dict() for shard in self.tp_shards],
         }
+
+    def _low_bit_max_rows(self) -> int | None:
+        model = getattr(getattr(self.runner, "loaded", None), "model", None)
+        if model is None:
+            return None
+        rows = [m.max_rows for m in model.modules() if isinstance(m, QuantLinear)]
+        return max(rows) if rows else None
 
 
 def build_stack(args: EngineArgs) -> ModelStack:

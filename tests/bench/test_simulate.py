@@ -36,6 +36,7 @@ from rsgl.bench.sim.cost import (
     min_step_seconds,
 )
 from rsgl.bench.sim.driver import Simulation
+from rsgl.bench.sim.validate import LOADS, median_of
 from rsgl.bench.sim.workload import Workload, WorkloadSpec, make_workload, read_trace
 from rsgl.bench.simulate import main
 from rsgl.model_executor.null_runner import NullRunner
@@ -410,6 +411,17 @@ def test_a_saved_calibration_keeps_its_timed_steps(
     assert refit.to_json()["extend"] == saved["extend"]
 
 
+def test_the_calibration_grid_gains_the_low_bit_switch() -> None:
+    grid = [1, 2, 4, 8, 16, 32, 64]
+    # On an AVX2 CPU in float32 four rows read the blocks and five the dense copy.
+    assert calibrate.with_low_bit_switch(grid, 4) == [1, 2, 4, 5, 8, 16, 32, 64]
+    assert calibrate.with_low_bit_switch(grid, 24) == [1, 2, 4, 8, 16, 24, 25, 32, 64]
+    assert calibrate.with_low_bit_switch(grid, 32) == [1, 2, 4, 8, 16, 32, 33, 64]
+    # Nothing outside the grid's range, nothing without low-bit weights.
+    assert calibrate.with_low_bit_switch(grid, 64) == grid
+    assert calibrate.with_low_bit_switch(grid, None) == grid
+
+
 def test_a_calibration_grid_with_holes_is_refused() -> None:
     prefill = LinearCost((3e-3, 1e-4, 5e-5, 2e-9, 1e-3))
     shapes, seconds = _calibration_steps([1, 8], [64, 256], prefill)
@@ -607,23 +619,50 @@ def test_the_validation_runs_both_sides_under_the_same_cap(
     cost.write_text(json.dumps(LinearCost((2e-3, 1e-5, 4e-6, 3e-9, 5e-5)).to_json()))
     argv = ["--model-path", str(LLAMA3_8B), "--cost-model", str(cost), "--validate"]
     argv += ["--validate-scale", "0.05", "--max-total-tokens", "20000"]
-    for cap in (None, 2):
+    for cap, rounds in ((None, 1), (2, 2)):
         sent.clear()
         out = tmp_path / f"rows-{cap}.jsonl"
         flags = [] if cap is None else ["--max-concurrency", str(cap)]
-        assert main([*argv, *flags, "--output-file", str(out)]) == 0
+        flags += ["--validate-rounds", str(rounds), "--output-file", str(out)]
+        assert main([*argv, *flags]) == 0
         rows = [json.loads(line) for line in out.read_text().splitlines()]
-        assert len(rows) == len(sent) == 6  # three workloads at two rates
-        assert [c.max_concurrency for c in sent] == [cap] * 6
-        assert [c.request_rate for c in sent] == [row["rate"] for row in rows]
+        assert len(rows) == 6  # three workloads at two loads
+        assert len(sent) == 6 * rounds
+        assert [c.max_concurrency for c in sent] == [cap] * 6 * rounds
+        # Round by round, every cell in turn, the order reversed every other round.
+        rates = [row["rate"] for row in rows]
+        assert [c.request_rate for c in sent] == (rates + rates[::-1])[: 6 * rounds]
         for row in rows:
             assert row["max_concurrency"] == row["predicted"]["max_concurrency"] == cap
+            # Each load is its share of the workload's capacity, as the simulation has it
+            # with every request at once; the prediction is at that rate.
+            assert row["rate"] == pytest.approx(row["load"] * row["capacity"], abs=1e-3)
+            assert row["predicted"]["request_rate"] == row["rate"]
+            assert len(row["measured_runs"]) == row["measured"]["runs"] == rounds
+            assert row["measured"]["median_ttft_ms"] == pytest.approx(50.0)
+            assert row["measured"]["median_ttft_ms_spread"] == 0.0
             if cap is not None:
                 assert row["predicted"]["concurrency"] <= cap
                 assert "keep_up_ratio" in row["predicted"]
+        assert [row["load"] for row in rows] == [*LOADS] * 3
+        assert rows[0]["capacity"] > rows[0]["rate"] > 0
         table = capsys.readouterr().out
         cap_text = "none" if cap is None else f"{cap} requests in flight"
+        assert f"median of {rounds} runs" in table
         assert f"max concurrency: {cap_text}" in table
+    assert main([*argv, "--validate-rounds", "0"]) == 2
+
+
+def test_the_measured_medians_and_their_spread() -> None:
+    runs = [
+        {"output_throughput": v, "median_ttft_ms": 100.0, "median_itl_ms": 10.0 * v}
+        for v in (1.0, 3.0, 2.0)
+    ]
+    got = median_of([dict(r, failures=0, ok=True) for r in runs])
+    assert got["output_throughput"] == 2.0 and got["median_itl_ms"] == 20.0
+    assert got["output_throughput_spread"] == pytest.approx(1.0)
+    assert got["median_ttft_ms_spread"] == 0.0
+    assert got["runs"] == 3 and "ok" not in got
 
 
 def test_the_linear_fit_never_makes_a_cost_negative() -> None:

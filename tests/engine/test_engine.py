@@ -10,10 +10,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 import rsgl
 from rsgl.engine import Engine
 from rsgl.errors import InvalidRequest
+from rsgl.layers.cpu_kernels import load_cpu_kernels
+from rsgl.layers.quant_linear import low_bit_max_rows
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 24}
 SUBJECTS = [
@@ -97,11 +100,17 @@ def test_gguf_blocks_decode_the_dequantized_models_tokens(engine: Engine) -> Non
     # up to 4 rows read the blocks, larger steps (the prefill) a dense copy. The weights
     # are the same numbers as the dequantized model's, so only summation order differs and
     # greedy tokens must not change (a wrong block layout or scale garbles every answer).
-    assert engine.get_server_info()["quantization"] == "gguf"
+    info = engine.get_server_info()
+    assert info["quantization"] == "gguf"
+    # How many rows read them (the rest the dense copy), as this machine's kernels decide.
+    kernels = load_cpu_kernels()
+    assert kernels is not None
+    assert info["low_bit_max_rows"] == low_bit_max_rows(kernels, getattr(torch, info["dtype"]))
     prompts = PROMPTS[::8]  # 4 requests: every decode step reads the blocks
     blocks = [o["output_ids"] for o in engine.generate(prompts, GREEDY)]
     with make_engine(quantization="none") as llm:
         assert llm.get_server_info()["quantization"] == "none"
+        assert llm.get_server_info()["low_bit_max_rows"] is None
         dense = [o["output_ids"] for o in llm.generate(prompts, GREEDY)]
     assert blocks == dense
 

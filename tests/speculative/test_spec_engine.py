@@ -5,16 +5,21 @@ speculation, and the core's bookkeeping is intact after every run."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 import rsgl
+from rsgl.bench.sim.calibrate import steps_of_log
 from rsgl.bench.speculative import copy_heavy_messages
 from rsgl.engine import Engine
 from rsgl.layers.cpu_kernels import load_cpu_kernels
+from rsgl.scheduler.step_shape import StepShape
 from rsgl.speculative.policy import ladder
 
 SPEC = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 5}
@@ -115,6 +120,34 @@ def test_copy_heavy_chat_accepts_most_drafts(plain: Engine, drafting: Engine) ->
         assert m["spec_accept_length"] == pytest.approx(1 + accepted_per_verify)
     assert "spec_verify_ct" not in plain.generate("Hi", {"max_new_tokens": 2})["meta_info"]
     drafting.check_integrity()
+
+
+def test_the_step_log_records_each_step_s_draft_limit_and_accepted_drafts(
+    plain: Engine, tmp_path: Path
+) -> None:
+    log = tmp_path / "steps.jsonl"
+    messages = copy_heavy_messages(2, seed=2)
+    params = {"temperature": 0.0, "max_new_tokens": 48, "ignore_eos": True}
+    with make_engine(**SPEC, disable_speculative_adaptive=True, step_log=str(log)) as engine:
+        got = engine.generate(messages=messages, sampling_params=params)
+        stats = _spec(engine)
+        steps = engine.get_server_info()["steps"]
+        engine.check_integrity()
+    assert _ids(got) == _ids(plain.generate(messages=messages, sampling_params=params))
+    lines = log.read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert len(records) == steps
+    assert all(r["draft_limit"] >= 0 and r["accepted_drafts"] >= 0 for r in records)
+    # The log's accepted drafts are the loop's own count of them, step by step.
+    accepted = stats["spec_committed_tokens"] - stats["spec_drafted_rows"]
+    assert accepted > 0
+    assert sum(r["accepted_drafts"] for r in records) == accepted
+    assert all(r["draft_limit"] >= 1 for r in records if r["accepted_drafts"])
+    # `--calibrate-server` reads the shapes off these lines and leaves the extra fields out.
+    shapes, seconds = steps_of_log(lines)
+    fields = [f.name for f in dataclasses.fields(StepShape)]
+    assert [dataclasses.asdict(s) for s in shapes] == [{k: r[k] for k in fields} for r in records]
+    assert seconds == [r["seconds"] for r in records]
 
 
 def test_seeded_sampling_gives_the_same_tokens(plain: Engine, spec: Engine) -> None:

@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--report-dir", default="rsgl-capacity", help="--slo: PNG, HTML and JSON")
     m.add_argument("--validate", action="store_true", help="measured vs predicted table")
     m.add_argument("--validate-scale", type=float, default=1.0, help="shrinks the runs")
+    m.add_argument(
+        "--validate-rounds", type=int, default=1, help="--validate: runs of each cell (medians)"
+    )
     parser.add_argument("--output-file", default=None, help="append the JSON result line here")
     add_cli_args(parser, EngineArgs)  # the engine's options, as rsgl serve's
     return parser
@@ -150,6 +153,9 @@ def main(argv: list[str]) -> int:
         print("rsgl bench simulate: --max-concurrency must be at least 1", file=sys.stderr)
         return 2
     spec = workload_spec(args, dep.config.vocab_size)
+    if args.validate_rounds < 1:
+        print("rsgl bench simulate: --validate-rounds must be at least 1", file=sys.stderr)
+        return 2
     if args.validate:
         from rsgl.bench.sim.validate import validate_main
 

@@ -33,6 +33,7 @@ _MODEL_FACTS = (
     "dtype",
     "dtype_choice",
     "quantization",
+    "low_bit_max_rows",
     "cpu_threads",
     "context_length",
     "max_total_tokens",

@@ -9,7 +9,9 @@ time (prepare + forward + sampling + the host copy of the tokens, on the CPU com
 as the loop runs them) is a sample. The decode steps' medians per grid point and the
 least-squares fit of the prefill steps (`TableCost.fit`) are saved as JSON for
 `--cost-model`, with the timed steps themselves (`samples`: each step's `StepShape` fields and
-seconds), so that another model can be fitted to them later.
+seconds), so that another model can be fitted to them later. Where the model has low-bit
+weights, the grid's batches gain the largest that reads them and the next
+(`with_low_bit_switch`).
 
 With `--calibrate-server` the steps are timed where they run when serving: an `rsgl serve`
 (the same engine options) logs each step's shape and seconds in its loop (`--step-log`),
@@ -59,6 +61,17 @@ def parse_grid(text: str) -> tuple[list[int], list[int]]:
     return [int(x) for x in batches.split(",")], [int(x) for x in contexts.split(",")]
 
 
+def with_low_bit_switch(batches: list[int], max_rows: int | None) -> list[int]:
+    """The grid's decode batches and, within them, the largest that reads low-bit weights
+    and the next (`low_bit_max_rows`): a step's cost jumps between the two (on an AVX2 CPU
+    in float32, 25 to 50 ms from 4 rows to 5, where the dense copy takes over), a jump that
+    interpolating between wider points would spread over every batch between them."""
+    if max_rows is None:
+        return batches
+    switch = {b for b in (max_rows, max_rows + 1) if batches[0] < b < batches[-1]}
+    return sorted(set(batches) | switch)
+
+
 def cpu_name() -> str:
     """This machine's CPU model (/proc/cpuinfo), or the platform's word for it."""
     try:
@@ -78,6 +91,7 @@ def time_steps(
     from rsgl.stack import build_stack
 
     stack = build_stack(engine)
+    batches = with_low_bit_switch(batches, stack.info()["low_bit_max_rows"])
     core = stack.core
     runner: Any = stack.runner  # a ModelRunner (a NullRunner with --load-format null)
     rng = np.random.default_rng(seed)
@@ -165,9 +179,6 @@ def time_server_steps(
     from rsgl.models.loader import resolve_model_dir
 
     tokenizer = serving.load_tokenizer(engine.tokenizer_path or engine.model_path)
-    # A warm-up point first (the first requests pay for lazy set-up), not recorded.
-    points = [(batches[0], contexts[0], False)]
-    points += [(b, c, True) for c in contexts for b in batches]
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "steps.jsonl"
         flags = server_flags(dataclasses.replace(engine, step_log=str(log)))
@@ -175,6 +186,10 @@ def time_server_steps(
         recorded: list[str] = []
         try:
             info = httpx.get(f"{url}/get_server_info", timeout=30).json()
+            batches = with_low_bit_switch(batches, info.get("low_bit_max_rows"))
+            # A warm-up point first (the first requests pay for lazy set-up), not recorded.
+            points = [(batches[0], contexts[0], False)]
+            points += [(b, c, True) for c in contexts for b in batches]
             config = serving.BenchConfig(base_url=url, backend="rsgl", warmup_requests=0)
             for i, (batch, context, record) in enumerate(points):
                 httpx.post(f"{url}/flush_cache", timeout=30)
@@ -202,11 +217,7 @@ def time_server_steps(
         finally:
             proc.terminate()
             proc.wait(60)
-    shapes, seconds = [], []
-    for line in recorded:
-        step = json.loads(line)
-        seconds.append(float(step["seconds"]))
-        shapes.append(StepShape(**{f.name: step[f.name] for f in dataclasses.fields(StepShape)}))
+    shapes, seconds = steps_of_log(recorded)
     meta = _meta(
         engine,
         batches,
@@ -219,13 +230,25 @@ def time_server_steps(
     return shapes, seconds, meta
 
 
+def steps_of_log(lines: list[str]) -> tuple[list[StepShape], list[float]]:
+    """Each line of a `--step-log`: its step's shape and seconds (the fields a speculating
+    loop adds, and any other, are not the shape's and are left out)."""
+    shapes, seconds = [], []
+    for line in lines:
+        step = json.loads(line)
+        seconds.append(float(step["seconds"]))
+        shapes.append(StepShape(**{f.name: step[f.name] for f in dataclasses.fields(StepShape)}))
+    return shapes, seconds
+
+
 def calibrate_main(args: argparse.Namespace) -> int:
     """`--calibrate`: fit, save to --calibrate-output, print the fit's summary."""
     engine: EngineArgs = from_cli(EngineArgs, args)
     batches, contexts = parse_grid(args.calibrate_grid)
     timer = time_server_steps if args.calibrate_server else time_steps
     shapes, seconds, meta = timer(engine, batches, contexts, args.seed)
-    model = TableCost.fit(shapes, seconds, batches, contexts, meta)
+    # The batches timed: the grid's, and the low-bit switch's (`with_low_bit_switch`).
+    model = TableCost.fit(shapes, seconds, meta["batches"], contexts, meta)
     saved = model.to_json()
     # The timed steps themselves, so that another model can be fitted to them later.
     saved["sample_fields"] = [*(f.name for f in dataclasses.fields(StepShape)), "seconds"]

@@ -1,11 +1,23 @@
 """`rsgl bench simulate --validate`: the calibrated simulation against real serving runs.
 
 For three workloads (random prompts, shared-prefix `gsp`, long prompts with short outputs)
-at two request rates each, one `rsgl serve` (the engine options given, so the same pool,
-chunking and policy as the simulation) is measured with `rsgl bench serving`'s own client,
-its prefix cache flushed before every run, and the simulation predicts the same run with the
-cost model given (`--cost-model`, from `--calibrate` on this machine). One table compares
-throughput, median TTFT and median ITL, measured and predicted, with the relative error.
+at two loads each, one `rsgl serve` (the engine options given, so the same pool, chunking
+and policy as the simulation) is measured with `rsgl bench serving`'s own client, its prefix
+cache flushed before every run, and the simulation predicts the same run with the cost model
+given (`--cost-model`, from `--calibrate` on this machine). One table compares throughput,
+median TTFT and median ITL, measured and predicted, with the relative error.
+
+The loads are shares of each workload's capacity on the calibrated machine (`LOADS`: the
+simulation's throughput when every request arrives at once), so that every machine is
+validated in the same regimes, light and busy, rather than at fixed rates that one machine
+serves idly and another cannot keep up with. Past capacity a queue grows for as long as the
+run lasts: its TTFT measures the run's length, and a simulation a few percent off in
+capacity is off by any amount there.
+
+`--validate-rounds N` measures every cell N times, the cells in turn and their order
+reversed every other round, so that a machine whose speed drifts over minutes weighs on
+every cell alike: the table gives each measured metric's median over the rounds and its
+spread (max - min, over the median), the machine's own noise, which no model can beat.
 Real runs take minutes each at `--validate-scale 1`: run it on a quiet machine.
 `--validate-scale` multiplies the number of prompts (a small one checks the plumbing).
 `--max-concurrency N` caps both sides alike: the real client holds arrivals while N
@@ -19,6 +31,8 @@ import asyncio
 import dataclasses
 import functools
 import json
+import math
+import statistics
 import sys
 import tempfile
 from collections.abc import Callable
@@ -43,13 +57,16 @@ METRICS = (
 Measure = Callable[[WorkloadSpec, float, int | None], dict[str, Any]]
 
 
+# Each workload's loads: shares of its capacity here (light, busy).
+LOADS = (0.25, 0.5)
+
+
 @dataclass(frozen=True, slots=True)
 class Case:
-    """One workload of the validation and its two request rates (req/s)."""
+    """One workload of the validation."""
 
     name: str
     spec: WorkloadSpec
-    rates: tuple[float, float]
 
 
 def cases(scale: float, seed: int, vocab_size: int) -> list[Case]:
@@ -59,11 +76,7 @@ def cases(scale: float, seed: int, vocab_size: int) -> list[Case]:
     base = WorkloadSpec(vocab_size=vocab_size, seed=seed)
     groups = max(1, round(8 * scale**0.5))
     return [
-        Case(
-            "random",
-            dataclasses.replace(base, num_prompts=n(64), random_input_len=256),
-            (0.5, 2.0),
-        ),
+        Case("random", dataclasses.replace(base, num_prompts=n(64), random_input_len=256)),
         Case(
             "gsp",
             dataclasses.replace(
@@ -75,14 +88,12 @@ def cases(scale: float, seed: int, vocab_size: int) -> list[Case]:
                 gsp_question_len=64,
                 gsp_output_len=64,
             ),
-            (0.5, 2.0),
         ),
         Case(
             "long-prompt",
             dataclasses.replace(
                 base, num_prompts=n(32), random_input_len=1536, random_output_len=16
             ),
-            (0.25, 1.0),
         ),
     ]
 
@@ -135,42 +146,106 @@ def measure(
     return serving.summarize(run)
 
 
-def compare(
-    dep: Deployment, measure: Measure, scale: float, seed: int, max_concurrency: int | None
-) -> list[dict[str, Any]]:
-    """Every case at both its rates, measured and predicted under the same cap: one row
-    each (also printed to stderr as it comes)."""
-    rows = []
+@dataclass(frozen=True, slots=True)
+class Cell:
+    """One workload at one load: its rate (req/s) and the simulation's prediction."""
+
+    case: Case
+    load: float
+    capacity: float
+    rate: float
+    predicted: dict[str, Any]
+
+
+def plan_cells(dep: Deployment, scale: float, seed: int, cap: int | None) -> list[Cell]:
+    """Every case at each of `LOADS` of the capacity the simulation predicts for it (every
+    request arriving at once, under the same cap), with its prediction at that rate."""
+    cells = []
     for case in cases(scale, seed, dep.config.vocab_size):
-        for rate in case.rates:
-            measured = measure(case.spec, rate, max_concurrency)
-            predicted = dep.simulate(case.spec, rate, max_concurrency=max_concurrency)
-            row = {
-                "workload": case.name,
-                "rate": rate,
-                "max_concurrency": max_concurrency,
-                "num_prompts": predicted["num_prompts"],
-                "measured": measured,
-                "predicted": predicted,
-            }
-            rows.append(row)
-            print(json.dumps(row), file=sys.stderr)
-    return rows
+        burst = dep.simulate(case.spec, math.inf, max_concurrency=cap)
+        capacity = float(burst["request_throughput"])
+        for load in LOADS:
+            rate = round(load * capacity, 3)
+            predicted = dep.simulate(case.spec, rate, max_concurrency=cap)
+            cells.append(Cell(case, load, capacity, rate, predicted))
+    return cells
+
+
+def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each numeric field's median over the runs, and each metric's spread (max - min over
+    the median: `<metric>_spread`)."""
+    out: dict[str, Any] = {}
+    for key, value in runs[0].items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            values = [float(run[key]) for run in runs]
+            out[key] = statistics.median(values)
+    for key, _ in METRICS:
+        values = [float(run[key]) for run in runs]
+        mid = statistics.median(values)
+        out[f"{key}_spread"] = (max(values) - min(values)) / mid if mid else 0.0
+    out["runs"] = len(runs)
+    return out
+
+
+def compare(
+    dep: Deployment,
+    measure: Measure,
+    scale: float,
+    seed: int,
+    max_concurrency: int | None,
+    rounds: int = 1,
+) -> list[dict[str, Any]]:
+    """Every cell measured `rounds` times (in turn, the order reversed every other round)
+    and predicted under the same cap: one row each, its medians over the rounds (each run
+    also printed to stderr as it comes)."""
+    cells = plan_cells(dep, scale, seed, max_concurrency)
+    runs: list[list[dict[str, Any]]] = [[] for _ in cells]
+    for r in range(rounds):
+        order = range(len(cells)) if r % 2 == 0 else reversed(range(len(cells)))
+        for i in order:
+            cell = cells[i]
+            runs[i].append(measure(cell.case.spec, cell.rate, max_concurrency))
+            line = {"round": r, "workload": cell.case.name, "rate": cell.rate}
+            print(json.dumps(line | {"measured": runs[i][-1]}), file=sys.stderr)
+    return [
+        {
+            "workload": cell.case.name,
+            "load": cell.load,
+            "capacity": round(cell.capacity, 3),
+            "rate": cell.rate,
+            "max_concurrency": max_concurrency,
+            "num_prompts": cell.predicted["num_prompts"],
+            "measured": median_of(measured),
+            "predicted": cell.predicted,
+            "measured_runs": measured,
+        }
+        for cell, measured in zip(cells, runs, strict=True)
+    ]
 
 
 def format_rows(rows: list[dict[str, Any]], max_concurrency: int | None = None) -> str:
-    """One table: a line per workload x rate x metric, measured, predicted, error, under a
-    title that states the concurrency cap both sides ran under."""
+    """One table: a line per workload x load x metric, measured (the median over its
+    rounds and their spread), predicted, error, under a title that states the concurrency
+    cap both sides ran under."""
     cap = "none" if max_concurrency is None else f"{max_concurrency} requests in flight"
-    header = f"{'workload':<12}{'req/s':>7}  {'metric':<12}{'measured':>11}{'predicted':>11}"
-    title = f"measured vs predicted, max concurrency: {cap}"
+    runs = rows[0]["measured"]["runs"] if rows else 0
+    header = (
+        f"{'workload':<12}{'load':>5}{'req/s':>8}  {'metric':<12}"
+        f"{'measured':>11}{'spread':>8}{'predicted':>11}"
+    )
+    title = (
+        f"measured (median of {runs} runs) vs predicted, max concurrency: {cap}; "
+        f"load: a share of the workload's capacity here"
+    )
     lines = [title, header + f"{'error':>9}", "-" * (len(header) + 9)]
     for row in rows:
         for key, label in METRICS:
             m, p = row["measured"][key], row["predicted"][key]
             err = f"{(p - m) / m * 100:+.1f}%" if m else "n/a"
+            spread = f"{row['measured'][f'{key}_spread'] * 100:.0f}%"
             lines.append(
-                f"{row['workload']:<12}{row['rate']:>7g}  {label:<12}{m:>11.1f}{p:>11.1f}{err:>9}"
+                f"{row['workload']:<12}{row['load']:>5g}{row['rate']:>8g}  {label:<12}"
+                f"{m:>11.1f}{spread:>8}{p:>11.1f}{err:>9}"
             )
     return "\n".join(lines)
 
@@ -188,7 +263,7 @@ def validate_main(args: argparse.Namespace, dep: Deployment) -> int:
         proc, url = start_server(Path(tmp) / "server.log", *server_flags(dep.args))
         try:
             real = functools.partial(measure, url, tokenizer)
-            rows = compare(dep, real, args.validate_scale, args.seed, cap)
+            rows = compare(dep, real, args.validate_scale, args.seed, cap, args.validate_rounds)
         finally:
             proc.terminate()
             proc.wait(60)
