@@ -1,5 +1,5 @@
 """Tensor parallelism on the embedded SmolLM2 (CPU, gloo): TP=2 against TP=1 (with n-gram
-speculation too).
+speculation, an int8 KV cache and K-quant weights too).
 
 SmolLM2 has 9 query heads over 3 KV heads, so at tp_size 2 the ranks hold 2 and 1 KV heads
 (6 and 3 query heads). Every engine here shares the options below: float32, radix cache on,
@@ -17,12 +17,14 @@ import re
 import signal
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import jsonschema
 import numpy as np
 import pytest
 import torch
+from kquants import k_quant_copy
 
 import rsgl
 from rsgl._core import Plan
@@ -363,3 +365,24 @@ def test_ngram_speculation_keeps_tp1s_tokens(reference: dict[str, Any]) -> None:
         o["output_ids"] for o in reference["constrained"]
     ]
     assert stats["spec_verify_steps"] > 0 and stats["spec_accept_length"] > 1.2, stats
+
+
+def test_k_quant_groups_shard_like_tp1s(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every ffn_down of this copy is in Q4_K or Q6_K (int4 groups of 32, int8 groups of 16):
+    # row-parallel, so each rank holds half of every row's groups (768 of 1536 inputs).
+    path = k_quant_copy(tmp_path)
+    monkeypatch.setenv("RSGL_CACHE_DIR", str(tmp_path / "cache"))
+    with rsgl.Engine(model_path=str(path), **OPTIONS) as engine:
+        ids = engine.tokenizer.encode(PROMPTS[0])
+        one = step_logits(engine, ids)
+        ref = engine.generate(PROMPTS[:4], dict(GREEDY, return_logprob=True, top_logprobs_num=2))
+    with rsgl.Engine(model_path=str(path), tp_size=2, **OPTIONS) as engine:
+        two = step_logits(engine, ids)
+        outs = engine.generate(PROMPTS[:4], GREEDY)
+        engine.check_integrity()
+        info = engine.get_server_info()
+    assert info["quantization"] == "gguf" and info["tp_size"] == 2
+    assert (two - one).abs().max().item() <= 1e-5 * one.abs().max().item()
+    assert torch.equal(two.argmax(-1), one.argmax(-1))
+    for a, b in zip(ref, outs, strict=True):
+        assert_same_tokens_or_near_tie(a, b)

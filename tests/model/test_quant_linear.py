@@ -5,24 +5,22 @@ dequantized model's greedy tokens."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
-from kquants import quantize_q4_k, requantized_copy
+from kquants import k_quant_copy, quantize_q4_k, quantize_q6_k
 
 from rsgl.args import EngineArgs
 from rsgl.engine import Engine
 from rsgl.layers.cpu_kernels import QUANT_FORMATS, CpuKernels, load_cpu_kernels
 from rsgl.layers.quant_linear import GGUFBlocks, GroupQuantized, QuantLinear
-from rsgl.models.gguf_weights import hf_name, q4_k_groups, read_blocks
+from rsgl.models.gguf_weights import hf_name, q4_k_groups, q6_k_groups, read_blocks
 from rsgl.models.loader import (
     embedded_gguf_path,
     load_model,
-    resolve_model_dir,
     resolve_quantization,
 )
 
@@ -333,39 +331,78 @@ def test_the_test_quantizer_writes_q4_k_that_gguf_reads_back() -> None:
     assert (error <= 0.75 * step + 1e-3 * np.abs(w).max()).all()
 
 
+def test_q6_k_super_blocks_are_read_as_the_int8_groups_they_hold(kernels: CpuKernels) -> None:
+    # Random bytes are valid Q6_K blocks (with a finite fp16 d): every quant, high-bit pair
+    # and int8 scale. gguf's dequantize is the reference, bit for bit.
+    rng = np.random.default_rng(7)
+    rows, k = 9, 768
+    raw = rng.integers(0, 256, (rows, k // 256, 210), dtype=np.uint8)
+    raw[..., 208:] = rng.uniform(-0.02, 0.02, (rows, k // 256, 1)).astype(np.float16).view(np.uint8)
+    raw[0, 1, 208:] = 0  # a zero super-block scale
+    raw = raw.reshape(rows, -1)
+    weight = q6_k_groups(kernels, raw)
+    dense = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q6_K))
+    assert weight.shape == (rows, k) and (weight.bits, weight.group) == (8, 16)
+    assert torch.equal(weight.rows(torch.arange(rows)), dense)
+    assert torch.equal(weight.matmul(torch.eye(k)), dense.T.contiguous())
+    x = torch.randn(13, k, generator=torch.Generator().manual_seed(8))
+    got = weight.matmul(x)
+    bound = 1e-6 * k * (x.double().abs() @ dense.double().abs().T)
+    assert ((got.double() - x.double() @ dense.double().T).abs() <= bound).all()
+    # Each row in one order whatever the batch: alone and in tiles of other heights.
+    for start, stop in ((0, 1), (12, 13), (0, 3), (2, 9), (4, 13)):
+        assert torch.equal(weight.matmul(x[start:stop].contiguous()), got[start:stop])
+    half = weight.matmul(x.bfloat16())
+    assert torch.equal(half, weight.matmul(x.bfloat16().float()).bfloat16())
+
+
+def test_int8_groups_of_16_need_whole_blocks(kernels: CpuKernels) -> None:
+    q, x = torch.zeros(4, 48, dtype=torch.uint8), torch.zeros(1, 48)
+    with pytest.raises(ValueError, match="group 16 must be a multiple of 32 dividing K = 48"):
+        kernels.qlinear_group(x, q, torch.zeros(4, 3), None, 16)
+    nibbles, mins = torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(4, 4)
+    with pytest.raises(ValueError, match="group 16 must be a multiple of 32 dividing K = 64$"):
+        kernels.qlinear_group(torch.zeros(1, 64), nibbles, torch.zeros(4, 4), mins, 16)
+
+
+def test_the_test_quantizer_writes_q6_k_that_gguf_reads_back() -> None:
+    w = np.random.default_rng(6).standard_normal((5, 512)).astype(np.float32) * 0.05
+    w[1] = 0.0  # a zero super-block
+    back = quants.dequantize(quantize_q6_k(w), GGMLQuantizationType.Q6_K)
+    assert not back[1].any()
+    # Each group's levels step by about max |w| / 32; int8 scales of the super-block's d
+    # move the step by up to half of d, and the largest values may clip at 31 levels.
+    groups = w.reshape(5, 32, 16)
+    step = np.abs(groups).max(-1) / 32
+    error = np.abs(back - w).reshape(5, 32, 16).max(-1)
+    assert (error <= 1.5 * step + 1e-6).all()
+
+
 @pytest.fixture(scope="module")
-def q4_k_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    # The embedded file with every ffn_down in Q4_K, as llama.cpp's Q4_K_M mixes: the
-    # other projections' rows (576 weights) are no multiple of a 256-weight super-block.
-    # Its conversion is cached in a directory of its own.
-    root = tmp_path_factory.mktemp("q4_k")
-    path = root / "SmolLM2-135M-Instruct.Q4_K-down.gguf"
-    requantized_copy(embedded_gguf_path(), path, {f"blk.{i}.ffn_down.weight" for i in range(30)})
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("rsgl.models.loader.rsgl_cache_dir", lambda: root / "cache")
-        resolve_model_dir(path)
-    yield path
+def k_quant_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return k_quant_copy(tmp_path_factory.mktemp("k_quants"))
 
 
-def test_a_q4_k_file_serves_its_super_blocks_with_the_dequantized_models_tokens(
-    kernels: CpuKernels, q4_k_model: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_k_quant_file_serves_its_super_blocks_with_the_dequantized_models_tokens(
+    kernels: CpuKernels, k_quant_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("rsgl.models.loader.rsgl_cache_dir", lambda: q4_k_model.parent / "cache")
-    loaded = load_model(str(q4_k_model), dtype=torch.float32, pack_weights=False)
+    monkeypatch.setenv("RSGL_CACHE_DIR", str(k_quant_model.parent / "cache"))
+    loaded = load_model(str(k_quant_model), dtype=torch.float32, pack_weights=False)
     assert loaded.quantization == "gguf"
-    layer = loaded.model.layers[3]
-    down, qkv = layer.mlp.down_proj, layer.self_attn.qkv_proj
-    assert isinstance(down, QuantLinear) and isinstance(down.weight, GroupQuantized)
-    assert (down.weight.bits, down.weight.group) == (4, 32)
-    assert isinstance(qkv, QuantLinear) and isinstance(qkv.weight, GGUFBlocks)
-    assert down.dense is not None
-    assert torch.equal(down.weight.rows(torch.arange(576)), down.dense.weight)
-    # Greedy tokens through the engine: the blocks and int4 groups against the dense model.
+    for i, form in ((2, (4, 32)), (3, (8, 16))):  # Q4_K, Q6_K
+        layer = loaded.model.layers[i]
+        down, qkv = layer.mlp.down_proj, layer.self_attn.qkv_proj
+        assert isinstance(down, QuantLinear) and isinstance(down.weight, GroupQuantized)
+        assert (down.weight.bits, down.weight.group) == form
+        assert isinstance(qkv, QuantLinear) and isinstance(qkv.weight, GGUFBlocks)
+        assert down.dense is not None
+        assert torch.equal(down.weight.rows(torch.arange(576)), down.dense.weight)
+    # Greedy tokens through the engine: the blocks and groups against the dense model.
     prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
     params = {"temperature": 0.0, "max_new_tokens": 16}
     outputs = {}
     for mode in ("gguf", "none"):
-        with Engine(model_path=str(q4_k_model), quantization=mode, dtype="float32") as llm:
+        with Engine(model_path=str(k_quant_model), quantization=mode, dtype="float32") as llm:
             assert llm.get_server_info()["quantization"] == mode
             outputs[mode] = [o["output_ids"] for o in llm.generate(prompts, params)]
             llm.check_integrity()

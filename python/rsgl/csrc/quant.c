@@ -7,9 +7,10 @@
      Q8_0  34 bytes: fp16 d, 32 int8                        w = d * q
    Weights quantized when a model loads (`--quantization int4 / int8`): the same nibble or
    int8 blocks without headers, and a float32 scale (int4: and minimum) per group of G
-   weights of a row, in arrays of their own (G a multiple of 32; G = K is per channel):
+   weights of a row, in arrays of their own (G a multiple of 32, G = K per channel; or 16):
      I4    16 bytes of nibbles                              w = s * q + m
      I8    32 int8                                          w = s * q
+     I8H   32 int8, a scale per 16 (G = 16: GGUF's Q6_K)    w = s * q
 
    Nibble byte j holds element j (low half) and element j + 16 (high half). Each weight is
    rebuilt in float32 exactly as gguf's dequantize (and so transformers' loader) computes
@@ -41,10 +42,11 @@ typedef struct {
     int64_t groups;
 } QMat;
 
-/* Block k of row n: its quants, scale d and offset m (w = d * q + m; int8 formats: m = 0). */
+/* Block k of row n: its quants, scale d and offset m (w = d * q + m; int8 formats: m = 0);
+   d2 scales its weights 16-31 (d, but for I8H). */
 typedef struct {
     const uint8_t* q;
-    float d, m;
+    float d, m, d2;
 } Block;
 
 /* d * q + m rounded as the AVX2 path rounds it: once, where the CPU fuses multiply-adds
@@ -63,7 +65,7 @@ static inline float mul_add(float d, float q, float m) {
 static inline __attribute__((always_inline)) Block block_in_row(const int fmt, const uint8_t* row,
                                                                 int64_t k, float gd, float gm) {
     const uint8_t* b = row + k * block_bytes(fmt);
-    Block out = {b, gd, gm};
+    Block out = {b, gd, gm, gd};
     switch (fmt) {
         case Q4_0:
             out.d = f16_to_f32(load_u16(b));
@@ -83,25 +85,35 @@ static inline __attribute__((always_inline)) Block block_in_row(const int fmt, c
         default:
             break;
     }
+    out.d2 = out.d;
     return out;
 }
 
 /* Block k of row n of any matrix (the portable path and row lookups). */
 static inline Block block_at(const QMat* a, int64_t n, int64_t k) {
     const uint8_t* row = a->w + n * a->row_bytes;
-    if (a->fmt != I4 && a->fmt != I8) return block_in_row(a->fmt, row, k, 0.f, 0.f);
+    if (!load_time(a->fmt)) return block_in_row(a->fmt, row, k, 0.f, 0.f);
     const int64_t g = n * a->groups + k * QK / a->group;
-    return block_in_row(a->fmt, row, k, a->scales[g], a->mins ? a->mins[g] : 0.f);
+    Block out = block_in_row(a->fmt, row, k, a->scales[g], a->mins ? a->mins[g] : 0.f);
+    if (a->fmt == I8H) out.d2 = a->scales[g + 1];
+    return out;
 }
 
-static inline int int8_quants(int fmt) { return fmt == Q8_0 || fmt == I8; }
+static inline int int8_quants(int fmt) { return fmt == Q8_0 || fmt == I8 || fmt == I8H; }
+
+/* A load-time format's blocks per scale (a scale per 32 * per weights: group / 32), and the
+   scales a block steps over (two for I8H's groups of 16). */
+static inline int64_t blocks_per_scale(int fmt, const QMat* a) {
+    return !load_time(fmt) || fmt == I8H ? 1 : a->group / QK;
+}
+static inline int64_t scales_per_block(int fmt) { return fmt == I8H ? 2 : 1; }
 
 /* One block's 32 weights as floats (the portable path; the AVX2 path builds the same values
    in registers). */
 static inline void dequant_block(int fmt, Block b, float* w) {
     if (int8_quants(fmt)) {
         const int8_t* q = (const int8_t*)b.q;
-        for (int i = 0; i < QK; i++) w[i] = b.d * (float)q[i];
+        for (int i = 0; i < QK; i++) w[i] = (i < QK / 2 ? b.d : b.d2) * (float)q[i];
         return;
     }
     for (int i = 0; i < QK / 2; i++) {
@@ -122,12 +134,12 @@ static inline float hsum8(__m256 a, __m256 b, __m256 c, __m256 d) {
 
 /* Block k of row n: its quants, and where its scale d and offset m are (m NULL for the int8
    formats). GGUF's come from `dm`, the converted headers of the blocks from c0 on; the
-   load-time formats' from their arrays, at group g of the row. */
+   load-time formats' from their arrays, at group g of the row (I8H: d[0] and d[1]). */
 static inline __attribute__((always_inline)) const uint8_t* block_parts(
     const int fmt, const QMat* a, int64_t n, int64_t k, int64_t g, int64_t c0, const float* dm,
     const float** d, const float** m) {
     const uint8_t* row = a->w + n * a->row_bytes;
-    if (fmt == I4 || fmt == I8) {
+    if (load_time(fmt)) {
         g += n * a->groups;
         *d = a->scales + g;
         *m = a->mins ? a->mins + g : NULL;
@@ -148,11 +160,11 @@ static inline __attribute__((always_inline)) const uint8_t* block_parts(
 static inline void dequant_block16(int fmt, const uint8_t* q, const float* d, const float* m,
                                    __m512* w) {
     if (int8_quants(fmt)) {
-        const __m512 s = _mm512_set1_ps(*d);
+        const __m512 s = _mm512_set1_ps(*d), s2 = _mm512_set1_ps(d[fmt == I8H]);
         const __m128i q0 = _mm_loadu_si128((const __m128i*)q);
         const __m128i q1 = _mm_loadu_si128((const __m128i*)(q + 16));
         w[0] = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)));
-        w[1] = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)));
+        w[1] = _mm512_mul_ps(s2, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)));
         return;
     }
     /* The block's 16 possible weights, d * j + m for j = 0..15, looked up by nibble: a
@@ -193,9 +205,8 @@ static inline float hsum16(__m512 lo, __m512 hi) {
 static inline __attribute__((always_inline)) void dot_pair(const int fmt, const QMat* a,
                                                            int64_t n, int64_t nb,
                                                            const float* x, float* y) {
-    const int gguf = fmt != I4 && fmt != I8;
-    /* Blocks per scale: one for GGUF's formats, group / 32 for the load-time ones. */
-    const int64_t per = gguf ? 1 : a->group / QK;
+    const int gguf = !load_time(fmt);
+    const int64_t per = blocks_per_scale(fmt, a);
     int64_t g = 0, next = per; /* block k's group in the row, and where the next starts */
     __m512 a0 = _mm512_setzero_ps(), a1 = a0; /* row n */
     __m512 e0 = a0, e1 = a0;                  /* row n + 1 */
@@ -205,7 +216,7 @@ static inline __attribute__((always_inline)) void dot_pair(const int fmt, const 
         if (gguf) gguf_headers(fmt, a->w + n * a->row_bytes, c0, c1 - c0, dm);
         if (gguf) gguf_headers(fmt, a->w + (n + 1) * a->row_bytes, c0, c1 - c0, dm2);
         for (int64_t k = c0; k < c1; k++) {
-            if (k == next) g++, next += per;
+            if (k == next) g += scales_per_block(fmt), next += per;
             const float *d, *m;
             __m512 w[2];
             const uint8_t* q = block_parts(fmt, a, n, k, g, c0, dm, &d, &m);
@@ -245,9 +256,10 @@ static inline __attribute__((always_inline)) void dequant_block8(int fmt, const 
                                                                  const float* m, __m256* w) {
     const __m256 s = _mm256_broadcast_ss(d);
     if (int8_quants(fmt)) {
+        const __m256 s2 = fmt == I8H ? _mm256_broadcast_ss(d + 1) : s;
         for (int i = 0; i < 4; i++) {
             const __m128i b = _mm_loadl_epi64((const __m128i*)(q + 8 * i));
-            w[i] = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+            w[i] = _mm256_mul_ps(i < 2 ? s : s2, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
         }
         return;
     }
@@ -279,9 +291,8 @@ static inline __attribute__((always_inline)) void dot_tile(const int fmt, const 
                                                            const float* x, int64_t K,
                                                            const int R, const int W, float* y,
                                                            int64_t N) {
-    const int gguf = fmt != I4 && fmt != I8;
-    /* Blocks per scale: one for GGUF's formats, group / 32 for the load-time ones. */
-    const int64_t per = gguf ? 1 : a->group / QK;
+    const int gguf = !load_time(fmt);
+    const int64_t per = blocks_per_scale(fmt, a);
     int64_t g = 0, next = per; /* block k's group in the row, and where the next starts */
     __m256 acc[2][4];
     for (int t = 0; t < R * W; t++)
@@ -292,7 +303,7 @@ static inline __attribute__((always_inline)) void dot_tile(const int fmt, const 
         for (int i = 0; gguf && i < W; i++)
             gguf_headers(fmt, a->w + (n + i) * a->row_bytes, c0, c1 - c0, dm[i]);
         for (int64_t k = c0; k < c1; k++) {
-            if (k == next) g++, next += per;
+            if (k == next) g += scales_per_block(fmt), next += per;
             for (int i = 0; i < W; i++) {
                 const float *d, *m;
                 __m256 w[4];
@@ -355,9 +366,9 @@ static inline __attribute__((always_inline)) void dot_xtile(const int fmt, const
                                                             int64_t n, int64_t nb,
                                                             const float* x, int64_t K,
                                                             const int R, float* y, int64_t N) {
-    const int gguf = fmt != I4 && fmt != I8;
-    const int64_t per = gguf ? 1 : a->group / QK;
-    int64_t g = 0, next = per;
+    const int gguf = !load_time(fmt);
+    const int64_t per = blocks_per_scale(fmt, a);
+    int64_t g = 0, next = per; /* block k's group in the row, and where the next starts */
     __m512 lo[X_TILE], hi[X_TILE];
     for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm512_setzero_ps();
     float dm[2 * HEADER_CHUNK + 16];
@@ -365,7 +376,7 @@ static inline __attribute__((always_inline)) void dot_xtile(const int fmt, const
         const int64_t c1 = c0 + HEADER_CHUNK < nb ? c0 + HEADER_CHUNK : nb;
         if (gguf) gguf_headers(fmt, a->w + n * a->row_bytes, c0, c1 - c0, dm);
         for (int64_t k = c0; k < c1; k++) {
-            if (k == next) g++, next += per;
+            if (k == next) g += scales_per_block(fmt), next += per;
             const float *d, *m;
             __m512 w[2];
             const uint8_t* q = block_parts(fmt, a, n, k, g, c0, dm, &d, &m);
@@ -487,7 +498,8 @@ static void qlinear_f32(const QMat* a, const float* x, int64_t M, int64_t K, int
             case Q4_1: row_tiles(Q4_1, a, n, x, M, K, N, y); break;
             case Q8_0: row_tiles(Q8_0, a, n, x, M, K, N, y); break;
             case I4: row_tiles(I4, a, n, x, M, K, N, y); break;
-            default: row_tiles(I8, a, n, x, M, K, N, y); break;
+            case I8: row_tiles(I8, a, n, x, M, K, N, y); break;
+            default: row_tiles(I8H, a, n, x, M, K, N, y); break;
         }
     }
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -543,7 +555,7 @@ GGUF_FORMAT(q8_0, Q8_0)
    scale. */
 static QMat group_mat(int bits, const uint8_t* w, const float* scales, const float* mins,
                       int64_t K, int64_t group) {
-    const int fmt = bits == 4 ? I4 : I8;
+    const int fmt = bits == 4 ? I4 : group == QK / 2 ? I8H : I8;
     const QMat a = {fmt, w, K / QK * block_bytes(fmt), scales, mins, group, K / group};
     return a;
 }

@@ -175,8 +175,13 @@ def _check_groups(
         raise ValueError("quantized weights must be a contiguous uint8 [rows, bytes] CPU tensor")
     bits = 8 if mins is None else 4
     rows, k = q.shape[0], q.shape[1] * 8 // bits
-    if group <= 0 or group % QUANT_BLOCK or k % group:
-        raise ValueError(f"group {group} must be a multiple of {QUANT_BLOCK} dividing K = {k}")
+    # int8 also takes groups of 16 (GGUF's Q6_K: two scales a block of 32).
+    halves = bits == 8 and group == QUANT_BLOCK // 2
+    if group <= 0 or (group % QUANT_BLOCK and not halves) or k % QUANT_BLOCK or k % group:
+        raise ValueError(
+            f"group {group} must be a multiple of {QUANT_BLOCK} dividing K = {k}"
+            + (f" (or {QUANT_BLOCK // 2}, for int8 weights)" if bits == 8 else "")
+        )
     for t in (scales, mins):
         if t is None:
             continue

@@ -14,7 +14,13 @@ minimum -dmin * m computed in float32 as gguf's dequantize computes them. Both p
 are exact (11 by 6 significant bits), and so is the scale times a nibble, so each weight
 is rounded once, at the minimum, by the int4 kernels as by the dequantizer: the same
 numbers, read as 6 bits a weight instead of 4.5 (the int4 kernels' float32 scale and
-minimum per 32) and 32. Other K-quants stay dense.
+minimum per 32) and 32.
+
+Q6_K super-blocks (256 weights: 6-bit quants split into a low nibble and two high bits, an
+int8 scale per 16 weights, fp16 d), the rest of a `Q4_K_M` file, become int8 groups of 16:
+each weight's quant minus 32 as an int8, each group's scale d * sc in float32 (exact: 11
+by 8 significant bits), so that the int8 kernels' s * q is gguf's product, rounded once.
+Other K-quants stay dense.
 """
 
 from __future__ import annotations
@@ -95,13 +101,49 @@ def q4_k_groups(kernels: CpuKernels, data: np.ndarray) -> GroupQuantized:
     )
 
 
+# Q6_K: bytes per super-block (128 of low nibbles, 64 of high bit pairs, 16 int8 scales, fp16
+# d) and the weights per scale.
+Q6_K_BYTES = 210
+Q6_K_GROUP = 16
+
+
+def q6_k_groups(kernels: CpuKernels, data: np.ndarray) -> GroupQuantized:
+    """Q6_K rows (uint8 [rows, K / 256 * 210]) as the int8 groups of 16 they hold (see the
+    module doc)."""
+    rows = data.shape[0]
+    blocks = data.reshape(rows, -1, Q6_K_BYTES)
+    # Each half of a super-block (128 weights) has 64 bytes of nibbles and 32 of high bits.
+    # Its quarter j (32 weights) takes, for weight l, the low (j = 0, 1) or high (j = 2, 3)
+    # nibble of byte l (j even) or l + 32 (j odd), and bits 2j, 2j + 1 of high byte l.
+    low = blocks[..., :128].reshape(rows, -1, 2, 1, 2, 32)
+    nibbles = (low >> np.array([0, 4], dtype=np.uint8).reshape(2, 1, 1)) & 15
+    high = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32)
+    tops = (high >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 3
+    quants = nibbles.reshape(rows, -1, 2, 4, 32) | (tops << 4)
+    q = (quants.astype(np.int16) - 32).astype(np.int8).reshape(rows, -1)
+    sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
+    d = blocks[..., 208:210].copy().view(np.float16).astype(np.float32)
+    return GroupQuantized(
+        kernels,
+        8,
+        Q6_K_GROUP,
+        torch.from_numpy(np.ascontiguousarray(q.view(np.uint8))),
+        torch.from_numpy(np.ascontiguousarray((d * sc).reshape(rows, -1))),
+        None,
+    )
+
+
+# The K-quants read as load-time groups.
+_K_QUANTS = {"Q4_K": q4_k_groups, "Q6_K": q6_k_groups}
+
+
 def read_blocks(
     path: Path, kernels: CpuKernels, int8_activations: bool = False
 ) -> dict[str, LowBitWeight]:
     """Every projection and embedding tensor of `path` stored in a format the kernels read
-    (`QUANT_FORMATS`, and Q4_K as int4 groups), by HF name; tensors in other formats are
+    (`QUANT_FORMATS`, and Q4_K and Q6_K as groups), by HF name; tensors in other formats are
     left out (they stay dense). `int8_activations`: the products of GGUF blocks quantize the
-    activations (`GGUFBlocks`); Q4_K's groups multiply them as they are."""
+    activations (`GGUFBlocks`); the K-quants' groups multiply them as they are."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
@@ -109,15 +151,15 @@ def read_blocks(
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         fmt = tensor.tensor_type.name
-        if name is None or (fmt not in QUANT_FORMATS and fmt != "Q4_K"):
+        if name is None or (fmt not in QUANT_FORMATS and fmt not in _K_QUANTS):
             continue
         rows = int(tensor.shape[-1]) if len(tensor.shape) > 1 else 1
         data = np.array(tensor.data, dtype=np.uint8, copy=True).reshape(rows, -1)
-        if fmt == "Q4_K":
-            out[name] = q4_k_groups(kernels, data)
+        if fmt in _K_QUANTS:
+            out[name] = _K_QUANTS[fmt](kernels, data)
         else:
             out[name] = GGUFBlocks(kernels, fmt, torch.from_numpy(data), int8_activations)
     return out
 
 
-__all__ = ["GGUF_MODES", "hf_name", "q4_k_groups", "read_blocks"]
+__all__ = ["GGUF_MODES", "hf_name", "q4_k_groups", "q6_k_groups", "read_blocks"]

@@ -343,8 +343,11 @@ class LlamaForCausalLM(nn.Module):
             part = self._rank_slice(name, view, column_unit=QUANT_BLOCK)
             return dataclasses.replace(blocks, data=part.reshape(part.shape[0], -1).contiguous())
 
+        # Whole groups, and whole blocks: int8 groups of 16 (Q6_K's) split two to a block.
+        unit = max(blocks.group, QUANT_BLOCK)
+
         def split(t: torch.Tensor) -> torch.Tensor:
-            part = self._rank_slice(name, t.view(rows, k // blocks.group, -1), blocks.group)
+            part = self._rank_slice(name, t.view(rows, k // unit, -1), unit)
             return part.reshape(part.shape[0], -1).contiguous()
 
         mins = None if blocks.mins is None else split(blocks.mins)
@@ -355,7 +358,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def use_gguf_blocks(self, blocks: Mapping[str, LowBitWeight], max_rows: int) -> int:
         """Serve the projections and the LM head from a GGUF file's own blocks (HF names ->
-        `GGUFBlocks`, or Q4_K's int4 groups: `rsgl.models.gguf_weights.read_blocks`) for
+        `GGUFBlocks`, or K-quants' groups: `rsgl.models.gguf_weights.read_blocks`) for
         batches of up to `max_rows` rows; the dense weights (the same numbers) stay for
         larger ones. A fused projection needs all of its parts in one form; matrices whose
         blocks are missing stay dense. Call after `load_weights` and before
