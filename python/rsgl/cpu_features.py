@@ -142,12 +142,32 @@ def library_env(level: Level | None) -> dict[str, str]:
     return {"ATEN_CPU_CAPABILITY": level.aten, "ONEDNN_MAX_CPU_ISA": level.onednn}
 
 
+# The process's affinity before rsgl pinned a thread of its own (`before_pinning`).
+_unpinned: frozenset[int] | None = None
+
+
 def affinity_cpus() -> frozenset[int]:
     """The logical CPUs this process may run on (its affinity mask, which taskset, cgroups'
-    cpusets and container limits narrow; all online CPUs where the OS has no such call)."""
+    cpusets and container limits narrow; all online CPUs where the OS has no such call).
+
+    The OS reports the calling thread's mask, and rsgl pins the compute thread, where every
+    model loads, to one CPU of its team (`omp_bind_cpus`): a second model loaded in the
+    process read one CPU there, and set the thread's team, which both models' steps share,
+    to one thread (an `rsgl.Engine` decoded 30-60% slower beside an idle second one). So
+    once rsgl pins a thread, this is the mask from before (`before_pinning`)."""
+    if _unpinned is not None:
+        return _unpinned
     if hasattr(os, "sched_getaffinity"):
         return frozenset(os.sched_getaffinity(0))
     return frozenset(range(os.cpu_count() or 1))
+
+
+def before_pinning() -> None:
+    """Records the calling thread's affinity as the process's, for `affinity_cpus` (the first
+    call only): call it on a thread before narrowing its mask."""
+    global _unpinned
+    if _unpinned is None:
+        _unpinned = affinity_cpus()
 
 
 def core_cpus(cpus: frozenset[int], sysfs: Path = CPU_SYSFS) -> list[int]:
@@ -277,6 +297,7 @@ __all__ = [
     "Level",
     "affinity_cpus",
     "allows",
+    "before_pinning",
     "cpu_bf16_features",
     "core_cpus",
     "cpu_flags",

@@ -19,7 +19,7 @@ import torch
 
 from rsgl._core import Scheduler
 from rsgl.args import EngineArgs
-from rsgl.cpu_features import default_cpu_threads, omp_bind_cpus
+from rsgl.cpu_features import before_pinning, default_cpu_threads, omp_bind_cpus
 from rsgl.grammar.backend import GrammarBackend, GrammarOptions
 from rsgl.grammar.compiler import GrammarCompiler
 from rsgl.grammar.registry import make_backend
@@ -292,6 +292,7 @@ def _bind_compute_threads(args: EngineArgs, threads: int) -> tuple[int, ...]:
     if kernels is None:
         logger.warning("compute threads not pinned: the CPU kernels are not available")
         return ()
+    before_pinning()
     if not kernels.bind_omp_threads(cpus):
         logger.warning("could not pin the compute threads to CPUs %s", cpus)
         torch.set_num_threads(threads)

@@ -13,10 +13,12 @@ import pytest
 import torch
 
 import rsgl
+from rsgl.cpu_features import default_cpu_threads
 from rsgl.engine import Engine
 from rsgl.errors import InvalidRequest
 from rsgl.layers.cpu_kernels import load_cpu_kernels
 from rsgl.layers.quant_linear import low_bit_max_rows
+from rsgl.model_executor.executor import run_on_compute_thread
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 24}
 SUBJECTS = [
@@ -361,3 +363,19 @@ def test_kv_cache_dtype_is_validated_and_sizes_the_pool() -> None:
         EngineArgs(mem_fraction=0.01, kv_cache_dtype="int8"), loaded.config, loaded.dtype
     )
     assert int8 == pytest.approx(full * 4 * 64 / 68, abs=2)
+
+
+def test_a_second_engine_keeps_the_compute_threads(engine: Engine) -> None:
+    # Every engine of a process loads and steps on its one compute thread, which the first
+    # pinned to the first CPU of its OpenMP team: the next engine must size its threads by
+    # the process's CPUs, not by that thread's one (it set the shared team to one thread).
+    first = engine.get_server_info()
+    with make_engine() as second:
+        info = second.get_server_info()
+        assert (info["cpu_threads"], info["compute_cpus"]) == (
+            first["cpu_threads"],
+            first["compute_cpus"],
+        )
+        assert run_on_compute_thread(torch.get_num_threads) == first["cpu_threads"]
+        assert second.generate("The ocean is", GREEDY)["output_ids"]
+    assert first["cpu_threads"] == default_cpu_threads()
