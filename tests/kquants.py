@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, quants
@@ -65,10 +66,7 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
     d = (scale.max(-1) / 127).astype(np.float16)
     sc = _levels(scale, d.astype(np.float32)[..., None], 127)
     step = d.astype(np.float32)[..., None] * sc
-    safe = np.where(step > 0, step, 1.0)[..., None]
-    q = (np.where(step[..., None] > 0, np.rint(groups / safe), 0).clip(-32, 31) + 32).astype(
-        np.uint8
-    )
+    q = _levels(groups + 32 * step[..., None], step[..., None], 63)  # value + 32
     # Per half (128 weights) and quarter j (32): the low nibbles of quarters 0 and 1 in the
     # low halves of bytes 0-31 and 32-63, those of quarters 2 and 3 in their high halves,
     # and quarter j's top two bits at bits 2j of bytes 64-95.
@@ -136,13 +134,6 @@ def k_quant_copy(root: Path) -> Path:
     kernels.mkdir(parents=True, exist_ok=True)
     (root / "cache").mkdir()
     (root / "cache" / "kernels").symlink_to(kernels, target_is_directory=True)
-    saved = os.environ.get("RSGL_CACHE_DIR")
-    os.environ["RSGL_CACHE_DIR"] = str(root / "cache")
-    try:
+    with mock.patch.dict(os.environ, {"RSGL_CACHE_DIR": str(root / "cache")}):
         resolve_model_dir(path)
-    finally:
-        if saved is None:
-            del os.environ["RSGL_CACHE_DIR"]
-        else:
-            os.environ["RSGL_CACHE_DIR"] = saved
     return path

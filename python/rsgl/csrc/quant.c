@@ -65,7 +65,7 @@ static inline float mul_add(float d, float q, float m) {
 static inline __attribute__((always_inline)) Block block_in_row(const int fmt, const uint8_t* row,
                                                                 int64_t k, float gd, float gm) {
     const uint8_t* b = row + k * block_bytes(fmt);
-    Block out = {b, gd, gm, gd};
+    Block out = {b, gd, gm, 0.f};
     switch (fmt) {
         case Q4_0:
             out.d = f16_to_f32(load_u16(b));
