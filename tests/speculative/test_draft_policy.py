@@ -154,6 +154,24 @@ def test_the_climb_stops_where_the_next_rung_cannot_win() -> None:
     assert policy.draft_limit() == 0
 
 
+def test_the_climb_goes_on_past_losing_rungs_while_the_top_one_could_win() -> None:
+    # Batch 4 on a 2-core Zen 3: any draft takes the projections past their low-bit rows to
+    # the dense copy, so a step's cost jumps at 1 draft and hardly grows above (seconds per
+    # request, measured in ms). 9 requests of 10 accept every draft: 1 and 2 drafts lose
+    # (22.75 / 1.9 and 24.75 / 2.8 a token against 8.45), 4 wins (30.1 / 4.6). After 1, the
+    # next rung could win only at 22.75 / 2.8 (not by the margin); the top one at 22.75 / 4.6.
+    policy = DraftPolicy(max_drafts=4, explore_every=10_000)
+    seconds = {0: 8.45, 1: 22.75, 2: 24.75, 4: 30.1}
+    policy.batch, limits = 10, []
+    for _ in range(40):
+        limit = policy.draft_limit()
+        limits.append(limit)
+        accepted = [limit] * 9 + [0] if limit else None
+        policy.observe(10, limit, seconds[limit] * 10, accepted)
+    assert limits[: 4 * TRY_STEPS] == [r for r in (0, 1, 2, 4) for _ in range(TRY_STEPS)]
+    assert set(limits[4 * TRY_STEPS :]) == {4}
+
+
 def test_tries_of_a_losing_rung_waste_at_most_the_budget() -> None:
     # Plain is chosen; a try of one draft costs 2.5 / 1.1 of plain a token. Its TRY_STEPS
     # steps waste ~3.8 plain steps, so tries come no more often than every 3.8 / 0.02 steps.

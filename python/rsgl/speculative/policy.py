@@ -32,9 +32,14 @@ with).
 Measuring a rung costs what it wastes when it loses: at batch 64 on a 2-core Zen 3 a verify
 of 3 drafts a request costs ~6x a plain step, and trying every rung once cost a short
 serving run 10% of its time. So a group climbs its ladder from the bottom (`TRY_STEPS`
-steps each: plain, then 1 draft), and measures the next rung only while it could still win:
-its steps cost at least the rung below's, and the drafts it adds can be accepted at most as
-often as the last one measured. It then runs the cheapest rung, and tries a neighbour of it
+steps each: plain, then 1 draft), and measures the next rung only while it or a rung above
+it could still win: their steps cost at least the rung below's, and the drafts they add can
+be accepted at most as often as the last one measured, so the top rung is the one to ask.
+Asking only the next rung stops the climb too early where a step's cost jumps: on a 2-core
+Zen 3 at batch 4, 1 draft a request takes the projections past their low-bit rows to the
+dense copy (`low_bit_max_rows`: 91 ms a step against 33.8 plain), 2 drafts cost 99 ms and 4
+drafts 120 ms, so with 91% of first drafts accepted 1 and 2 lose (11.9 and 10.5 ms a token
+against 8.4) while 4 wins (7.7). It then runs the cheapest rung, and tries a neighbour of it
 (above and below in turn) now and then, so that the reach above the choice and the seconds
 of its neighbours stay fresh and a change in the workload is followed a rung at a time. A
 try that leaves the choice as it was doubles the group's interval (up to
@@ -134,8 +139,8 @@ class _Group:
         return best if costs[best] < (1.0 - DRAFT_MARGIN) * costs[rungs[0]] else rungs[0]
 
     def to_measure(self, rungs: list[int]) -> int | None:
-        """The lowest rung not measured yet, if it could still be the cheapest (None: every
-        such rung is measured)."""
+        """The lowest rung not measured yet, if it or a rung above it could still be the
+        cheapest (None: every such rung is measured)."""
         if self.cost(rungs[0]) is None:
             return rungs[0]
         for below, rung in zip(rungs, rungs[1:], strict=False):
@@ -147,10 +152,12 @@ class _Group:
             best = self.cost(cheapest)
             assert best is not None
             target = best if cheapest > 0 else (1.0 - DRAFT_MARGIN) * best
-            # At best: the steps cost the rung below's, every added draft reaches as far
-            # as the last one measured.
+            # At best: the steps of this rung and those above it cost the rung below's,
+            # every added draft reaches as far as the last one measured. The top rung adds
+            # the most drafts.
             seconds, reach = self.seconds[below].value, self.reach[below - 1].value
-            tokens = 1.0 + sum(r.value for r in self.reach[:below]) + (rung - below) * reach
+            added = (rungs[-1] - below) * reach
+            tokens = 1.0 + sum(r.value for r in self.reach[:below]) + added
             return rung if seconds / tokens < target else None
         return None
 
