@@ -1,4 +1,4 @@
-"""K-quant test data: round-to-nearest Q4_K and Q6_K quantizers (gguf-py dequantizes
+"""K-quant test data: round-to-nearest Q4_K, Q5_K and Q6_K quantizers (gguf-py dequantizes
 K-quants but does not quantize them) and a copy of a GGUF file with some tensors
 re-quantized."""
 
@@ -23,37 +23,52 @@ def _levels(values: np.ndarray, step: np.ndarray, top: int) -> np.ndarray:
     return np.where(step > 0, np.rint(values / safe), 0).clip(0, top).astype(np.uint8)
 
 
-def quantize_q4_k(w: np.ndarray) -> np.ndarray:
-    """float32 [rows, K] (K a multiple of 256) -> Q4_K rows (uint8 [rows, K / 256 * 144]):
-    each group of 32 gets a scale and a minimum of its own, stored as 6-bit multiples of
-    its super-block's fp16 d and dmin, and nibbles rounded to the nearest level."""
+def _scaled_groups(w: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's shared part of float32 [rows, K] (K a multiple of 256): each group
+    of 32 gets a scale and a minimum of its own, stored as 6-bit multiples of its
+    super-block's fp16 d and dmin, and quants 0..`top` rounded to the nearest level.
+    Returns (the 16 header bytes of each super-block: d, dmin and the packed scales and
+    minimums, [rows, K / 256, 16]; the quants, [rows, K / 256, 8, 32])."""
     rows, k = w.shape
     groups = w.reshape(rows, k // QK_K, 8, 32).astype(np.float32)
     low = np.minimum(groups.min(-1), 0.0)
-    scale, minimum = (groups.max(-1) - low) / 15, -low
+    scale, minimum = (groups.max(-1) - low) / top, -low
     d = (scale.max(-1) / 63).astype(np.float16)
     dmin = (minimum.max(-1) / 63).astype(np.float16)
     sc = _levels(scale, d.astype(np.float32)[..., None], 63)
     mn = _levels(minimum, dmin.astype(np.float32)[..., None], 63)
     step = d.astype(np.float32)[..., None] * sc
     offset = dmin.astype(np.float32)[..., None] * mn
-    q = _levels(groups + offset[..., None], step[..., None], 15)
+    q = _levels(groups + offset[..., None], step[..., None], top)
     packed = np.empty((rows, k // QK_K, 12), dtype=np.uint8)
     packed[..., 0:4] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
     packed[..., 4:8] = mn[..., :4] | ((mn[..., 4:] >> 4) << 6)
     packed[..., 8:12] = (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)
-    pairs = q.reshape(rows, k // QK_K, 4, 2, 32)
-    nibbles = pairs[..., 0, :] | (pairs[..., 1, :] << 4)
-    out = np.concatenate(
-        [
-            d[..., None].view(np.uint8),
-            dmin[..., None].view(np.uint8),
-            packed,
-            nibbles.reshape(rows, k // QK_K, 128),
-        ],
-        axis=-1,
-    )
-    return out.reshape(rows, -1)
+    header = [d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), packed]
+    return np.concatenate(header, axis=-1), q
+
+
+def _nibble_pairs(q: np.ndarray) -> np.ndarray:
+    """Quants [rows, blocks, 8, 32] (their low four bits) as a super-block's 128 bytes: each
+    pair of groups in 32 bytes, the first's in the low nibbles, weight l in byte l."""
+    pairs = (q & 15).reshape(*q.shape[:2], 4, 2, 32)
+    return (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(*q.shape[:2], 128)
+
+
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """float32 [rows, K] (K a multiple of 256) -> Q4_K rows (uint8 [rows, K / 256 * 144]):
+    scales and minimums per 32 (`_scaled_groups`), nibbles."""
+    header, q = _scaled_groups(w, 15)
+    return np.concatenate([header, _nibble_pairs(q)], axis=-1).reshape(w.shape[0], -1)
+
+
+def quantize_q5_k(w: np.ndarray) -> np.ndarray:
+    """float32 [rows, K] (K a multiple of 256) -> Q5_K rows (uint8 [rows, K / 256 * 176]):
+    scales and minimums per 32 as Q4_K's, 5-bit quants as a fifth bit per weight (group g's
+    at bit g of byte l, weight l) and Q4_K's nibbles."""
+    header, q = _scaled_groups(w, 31)
+    fifth = ((q >> 4) << np.arange(8, dtype=np.uint8).reshape(8, 1)).sum(-2, dtype=np.uint8)
+    return np.concatenate([header, fifth, _nibble_pairs(q)], axis=-1).reshape(w.shape[0], -1)
 
 
 def quantize_q6_k(w: np.ndarray) -> np.ndarray:
@@ -89,12 +104,13 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
 
 QUANTIZERS = {
     GGMLQuantizationType.Q4_K: quantize_q4_k,
+    GGMLQuantizationType.Q5_K: quantize_q5_k,
     GGMLQuantizationType.Q6_K: quantize_q6_k,
 }
 
 
 def requantized_copy(source: Path, target: Path, names: dict[str, GGMLQuantizationType]) -> None:
-    """`source` written to `target` with each tensor of `names` (GGUF name -> Q4_K or Q6_K)
+    """`source` written to `target` with each tensor of `names` (GGUF name -> a K-quant)
     quantized to its type from its dequantized values; every other tensor and all metadata
     as they are."""
     reader = GGUFReader(str(source))
@@ -121,14 +137,15 @@ def requantized_copy(source: Path, target: Path, names: dict[str, GGMLQuantizati
 
 
 def k_quant_copy(root: Path) -> Path:
-    """The embedded file written under `root` with every ffn_down in a K-quant, Q4_K and
-    Q6_K in turn, as llama.cpp's Q4_K_M mixes them (the other projections' rows, 576
-    weights, are no multiple of a 256-weight super-block), and converted into a cache of its
+    """The embedded file written under `root` with every ffn_down in a K-quant, Q4_K, Q5_K
+    and Q6_K in turn (layer i in the i % 3rd), as llama.cpp's Q4_K_M and Q5_K_M mix them
+    (the other projections' rows, 576 weights, are no multiple of a 256-weight
+    super-block), and converted into a cache of its
     own, `root / "cache"` (the kernels it compiles are the user cache's): serve it with
     RSGL_CACHE_DIR set to that, which processes started for it inherit."""
     path = root / "SmolLM2-135M-Instruct.K-quant-down.gguf"
-    types = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)
-    names = {f"blk.{i}.ffn_down.weight": types[i % 2] for i in range(30)}
+    types = list(QUANTIZERS)
+    names = {f"blk.{i}.ffn_down.weight": types[i % 3] for i in range(30)}
     requantized_copy(embedded_gguf_path(), path, names)
     kernels = rsgl_cache_dir() / "kernels"
     kernels.mkdir(parents=True, exist_ok=True)

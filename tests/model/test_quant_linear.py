@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
-from kquants import k_quant_copy, quantize_q4_k, quantize_q6_k
+from kquants import QUANTIZERS, k_quant_copy, quantize_q6_k
 
 from rsgl.args import EngineArgs
 from rsgl.engine import Engine
 from rsgl.layers.cpu_kernels import QUANT_FORMATS, CpuKernels, load_cpu_kernels
 from rsgl.layers.quant_linear import GGUFBlocks, GroupQuantized, QuantLinear
-from rsgl.models.gguf_weights import hf_name, q4_k_groups, q6_k_groups, read_blocks
+from rsgl.models.gguf_weights import hf_name, q4_k_groups, q5_k_groups, q6_k_groups, read_blocks
 from rsgl.models.loader import (
     embedded_gguf_path,
     load_model,
@@ -301,48 +301,34 @@ def test_a_quantized_model_computes_with_the_values_it_holds(
     torch.testing.assert_close(proj(x), x @ dense.T, rtol=1e-5, atol=1e-4)
 
 
-def test_q4_k_super_blocks_are_read_as_the_int4_groups_they_hold(kernels: CpuKernels) -> None:
-    # Random bytes are valid Q4_K blocks (with finite fp16 d and dmin): every scale and
-    # minimum bit pattern, every nibble. gguf's dequantize is the reference, bit for bit.
-    rng = np.random.default_rng(4)
-    rows, k = 7, 512
-    raw = rng.integers(0, 256, (rows, k // 256, 144), dtype=np.uint8)
-    headers = rng.uniform(-0.02, 0.02, (rows, k // 256, 2)).astype(np.float16)
-    raw[..., :4] = headers.view(np.uint8)
-    raw[0, 0, :4] = 0  # a zero super-block header
+# Each K-quant: its reader, its super-block's bytes, where its fp16 headers lie (d and dmin,
+# or d), and the groups it is read as (bits, weights per scale, with minimums).
+K_QUANT_LAYOUTS = {
+    GGMLQuantizationType.Q4_K: (q4_k_groups, 144, slice(0, 4), (4, 32, True)),
+    GGMLQuantizationType.Q5_K: (q5_k_groups, 176, slice(0, 4), (8, 32, True)),
+    GGMLQuantizationType.Q6_K: (q6_k_groups, 210, slice(208, 210), (8, 16, False)),
+}
+
+
+@pytest.mark.parametrize("qtype", list(K_QUANT_LAYOUTS))
+def test_k_quant_super_blocks_are_read_as_the_groups_they_hold(
+    kernels: CpuKernels, qtype: GGMLQuantizationType
+) -> None:
+    # Random bytes are valid K-quant blocks once their fp16 headers are finite: every quant,
+    # high bit, scale and minimum bit pattern. gguf's dequantize is the reference, bit for
+    # bit.
+    read, size, header, form = K_QUANT_LAYOUTS[qtype]
+    rng = np.random.default_rng(int(qtype))
+    rows, k = 7, 768
+    raw = rng.integers(0, 256, (rows, k // 256, size), dtype=np.uint8)
+    halves = rng.uniform(-0.02, 0.02, (rows, k // 256, (header.stop - header.start) // 2))
+    raw[..., header] = halves.astype(np.float16).view(np.uint8)
+    raw[0, 1, header] = 0  # a zero super-block header
     raw = raw.reshape(rows, -1)
-    weight = q4_k_groups(kernels, raw)
-    dense = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q4_K))
-    assert weight.shape == (rows, k) and (weight.bits, weight.group) == (4, 32)
-    assert torch.equal(weight.rows(torch.arange(rows)), dense)
-    eye = torch.eye(k)
-    assert torch.equal(weight.matmul(eye), dense.T.contiguous())
-    x = torch.randn(3, k, generator=torch.Generator().manual_seed(5))
-    torch.testing.assert_close(weight.matmul(x), x @ dense.T, rtol=1e-5, atol=1e-5)
-
-
-def test_the_test_quantizer_writes_q4_k_that_gguf_reads_back() -> None:
-    w = np.random.default_rng(6).standard_normal((5, 512)).astype(np.float32) * 0.05
-    w[0] = np.abs(w[0])  # no negative weight: a zero minimum
-    back = quants.dequantize(quantize_q4_k(w), GGMLQuantizationType.Q4_K)
-    # Each group's nibbles step by at most (max - min) / 15; 6-bit scales add a little.
-    step = (w.reshape(5, 16, 32).max(-1) - np.minimum(w.reshape(5, 16, 32).min(-1), 0)) / 15
-    error = np.abs(back - w).reshape(5, 16, 32).max(-1)
-    assert (error <= 0.75 * step + 1e-3 * np.abs(w).max()).all()
-
-
-def test_q6_k_super_blocks_are_read_as_the_int8_groups_they_hold(kernels: CpuKernels) -> None:
-    # Random bytes are valid Q6_K blocks (with a finite fp16 d): every quant, high-bit pair
-    # and int8 scale. gguf's dequantize is the reference, bit for bit.
-    rng = np.random.default_rng(7)
-    rows, k = 9, 768
-    raw = rng.integers(0, 256, (rows, k // 256, 210), dtype=np.uint8)
-    raw[..., 208:] = rng.uniform(-0.02, 0.02, (rows, k // 256, 1)).astype(np.float16).view(np.uint8)
-    raw[0, 1, 208:] = 0  # a zero super-block scale
-    raw = raw.reshape(rows, -1)
-    weight = q6_k_groups(kernels, raw)
-    dense = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q6_K))
-    assert weight.shape == (rows, k) and (weight.bits, weight.group) == (8, 16)
+    weight = read(kernels, raw)
+    dense = torch.from_numpy(quants.dequantize(raw, qtype))
+    assert weight.shape == (rows, k)
+    assert (weight.bits, weight.group, weight.mins is not None) == form
     assert torch.equal(weight.rows(torch.arange(rows)), dense)
     assert torch.equal(weight.matmul(torch.eye(k)), dense.T.contiguous())
     x = torch.randn(13, k, generator=torch.Generator().manual_seed(8))
@@ -356,13 +342,39 @@ def test_q6_k_super_blocks_are_read_as_the_int8_groups_they_hold(kernels: CpuKer
     assert torch.equal(half, weight.matmul(x.bfloat16().float()).bfloat16())
 
 
+@pytest.mark.parametrize(
+    ("qtype", "top"), [(GGMLQuantizationType.Q4_K, 15), (GGMLQuantizationType.Q5_K, 31)]
+)
+def test_the_test_quantizer_writes_k_quants_that_gguf_reads_back(
+    qtype: GGMLQuantizationType, top: int
+) -> None:
+    w = np.random.default_rng(6).standard_normal((5, 512)).astype(np.float32) * 0.05
+    w[0] = np.abs(w[0])  # no negative weight: a zero minimum
+    back = quants.dequantize(QUANTIZERS[qtype](w), qtype)
+    # Each group's levels step by at most (max - min) / top; 6-bit scales add a little.
+    groups = w.reshape(5, 16, 32)
+    step = (groups.max(-1) - np.minimum(groups.min(-1), 0)) / top
+    error = np.abs(back - w).reshape(5, 16, 32).max(-1)
+    assert (error <= 0.75 * step + 1e-3 * np.abs(w).max()).all()
+
+
+def test_int8_groups_with_minimums_are_groups_of_32(kernels: CpuKernels) -> None:
+    q, x = torch.zeros(4, 64, dtype=torch.uint8), torch.zeros(1, 64)
+    for group in (16, 64):
+        scales = torch.zeros(4, 64 // group)
+        with pytest.raises(ValueError, match=f"minimums take groups of 32, not {group}"):
+            kernels.qlinear_group(8, x, q, scales, scales, group)
+    with pytest.raises(ValueError, match="int4 weights need their minimums"):
+        kernels.qlinear_group(4, x, q[:, :32].contiguous(), torch.zeros(4, 2), None, 32)
+
+
 def test_int8_groups_of_16_need_whole_blocks(kernels: CpuKernels) -> None:
     q, x = torch.zeros(4, 48, dtype=torch.uint8), torch.zeros(1, 48)
     with pytest.raises(ValueError, match="group 16 must be a multiple of 32 dividing K = 48"):
-        kernels.qlinear_group(x, q, torch.zeros(4, 3), None, 16)
+        kernels.qlinear_group(8, x, q, torch.zeros(4, 3), None, 16)
     nibbles, mins = torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(4, 4)
     with pytest.raises(ValueError, match="group 16 must be a multiple of 32 dividing K = 64$"):
-        kernels.qlinear_group(torch.zeros(1, 64), nibbles, torch.zeros(4, 4), mins, 16)
+        kernels.qlinear_group(4, torch.zeros(1, 64), nibbles, torch.zeros(4, 4), mins, 16)
 
 
 def test_the_test_quantizer_writes_q6_k_that_gguf_reads_back() -> None:
@@ -389,11 +401,11 @@ def test_a_k_quant_file_serves_its_super_blocks_with_the_dequantized_models_toke
     monkeypatch.setenv("RSGL_CACHE_DIR", str(k_quant_model.parent / "cache"))
     loaded = load_model(str(k_quant_model), dtype=torch.float32, pack_weights=False)
     assert loaded.quantization == "gguf"
-    for i, form in ((2, (4, 32)), (3, (8, 16))):  # Q4_K, Q6_K
+    for i, form in ((3, (4, 32, True)), (4, (8, 32, True)), (5, (8, 16, False))):  # Q4-6_K
         layer = loaded.model.layers[i]
         down, qkv = layer.mlp.down_proj, layer.self_attn.qkv_proj
         assert isinstance(down, QuantLinear) and isinstance(down.weight, GroupQuantized)
-        assert (down.weight.bits, down.weight.group) == form
+        assert (down.weight.bits, down.weight.group, down.weight.mins is not None) == form
         assert isinstance(qkv, QuantLinear) and isinstance(qkv.weight, GGUFBlocks)
         assert down.dense is not None
         assert torch.equal(down.weight.rows(torch.arange(576)), down.dense.weight)

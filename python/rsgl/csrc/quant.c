@@ -11,6 +11,7 @@
      I4    16 bytes of nibbles                              w = s * q + m
      I8    32 int8                                          w = s * q
      I8H   32 int8, a scale per 16 (G = 16: GGUF's Q6_K)    w = s * q
+     I8M   32 int8, with minimums (G = 32: GGUF's Q5_K)     w = s * q + m
 
    Nibble byte j holds element j (low half) and element j + 16 (high half). Each weight is
    rebuilt in float32 exactly as gguf's dequantize (and so transformers' loader) computes
@@ -42,8 +43,8 @@ typedef struct {
     int64_t groups;
 } QMat;
 
-/* Block k of row n: its quants, scale d and offset m (w = d * q + m; int8 formats: m = 0);
-   d2 scales its weights 16-31 (d, but for I8H). */
+/* Block k of row n: its quants, scale d and offset m (w = d * q + m; int8 formats but I8M:
+   m = 0); d2 scales its weights 16-31 (d, but for I8H). */
 typedef struct {
     const uint8_t* q;
     float d, m, d2;
@@ -99,7 +100,9 @@ static inline Block block_at(const QMat* a, int64_t n, int64_t k) {
     return out;
 }
 
-static inline int int8_quants(int fmt) { return fmt == Q8_0 || fmt == I8 || fmt == I8H; }
+static inline int int8_quants(int fmt) {
+    return fmt == Q8_0 || fmt == I8 || fmt == I8H || fmt == I8M;
+}
 
 /* A load-time format's blocks per scale (a scale per 32 * per weights: group / 32), and the
    scales a block steps over (two for I8H's groups of 16). */
@@ -113,7 +116,9 @@ static inline int64_t scales_per_block(int fmt) { return fmt == I8H ? 2 : 1; }
 static inline void dequant_block(int fmt, Block b, float* w) {
     if (int8_quants(fmt)) {
         const int8_t* q = (const int8_t*)b.q;
-        for (int i = 0; i < QK; i++) w[i] = (i < QK / 2 ? b.d : b.d2) * (float)q[i];
+        for (int i = 0; i < QK; i++)
+            w[i] = fmt == I8M ? mul_add(b.d, (float)q[i], b.m)
+                              : (i < QK / 2 ? b.d : b.d2) * (float)q[i];
         return;
     }
     for (int i = 0; i < QK / 2; i++) {
@@ -133,8 +138,8 @@ static inline float hsum8(__m256 a, __m256 b, __m256 c, __m256 d) {
 }
 
 /* Block k of row n: its quants, and where its scale d and offset m are (m NULL for the int8
-   formats). GGUF's come from `dm`, the converted headers of the blocks from c0 on; the
-   load-time formats' from their arrays, at group g of the row (I8H: d[0] and d[1]). */
+   formats but I8M). GGUF's come from `dm`, the converted headers of the blocks from c0 on;
+   the load-time formats' from their arrays, at group g of the row (I8H: d[0] and d[1]). */
 static inline __attribute__((always_inline)) const uint8_t* block_parts(
     const int fmt, const QMat* a, int64_t n, int64_t k, int64_t g, int64_t c0, const float* dm,
     const float** d, const float** m) {
@@ -163,8 +168,16 @@ static inline void dequant_block16(int fmt, const uint8_t* q, const float* d, co
         const __m512 s = _mm512_set1_ps(*d), s2 = _mm512_set1_ps(d[fmt == I8H]);
         const __m128i q0 = _mm_loadu_si128((const __m128i*)q);
         const __m128i q1 = _mm_loadu_si128((const __m128i*)(q + 16));
-        w[0] = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)));
-        w[1] = _mm512_mul_ps(s2, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)));
+        const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0));
+        const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1));
+        if (fmt == I8M) {
+            const __m512 o = _mm512_set1_ps(*m);
+            w[0] = _mm512_fmadd_ps(f0, s, o);
+            w[1] = _mm512_fmadd_ps(f1, s, o);
+        } else {
+            w[0] = _mm512_mul_ps(s, f0);
+            w[1] = _mm512_mul_ps(s2, f1);
+        }
         return;
     }
     /* The block's 16 possible weights, d * j + m for j = 0..15, looked up by nibble: a
@@ -250,7 +263,7 @@ static const int32_t NIBBLE_SHIFT[4][8] = {{0, 0, 0, 0, 4, 4, 4, 4},
 /* One block's 32 weights in four registers (the int8 formats: elements 0-7, 8-15, 16-23,
    24-31; the nibble formats: in the order above), each rounded as the portable path rounds
    it. `d` and `m` point at the block's scale and offset as float32 (m NULL for the int8
-   formats; Q4_0's offset is the exact -8d). */
+   formats but I8M; Q4_0's offset is the exact -8d). */
 static inline __attribute__((always_inline)) void dequant_block8(int fmt, const uint8_t* q,
                                                                  const float* d,
                                                                  const float* m, __m256* w) {
@@ -259,7 +272,9 @@ static inline __attribute__((always_inline)) void dequant_block8(int fmt, const 
         const __m256 s2 = fmt == I8H ? _mm256_broadcast_ss(d + 1) : s;
         for (int i = 0; i < 4; i++) {
             const __m128i b = _mm_loadl_epi64((const __m128i*)(q + 8 * i));
-            w[i] = _mm256_mul_ps(i < 2 ? s : s2, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+            const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+            w[i] = fmt == I8M ? _mm256_fmadd_ps(f, s, _mm256_broadcast_ss(m))
+                              : _mm256_mul_ps(i < 2 ? s : s2, f);
         }
         return;
     }
@@ -499,6 +514,7 @@ static void qlinear_f32(const QMat* a, const float* x, int64_t M, int64_t K, int
             case Q8_0: row_tiles(Q8_0, a, n, x, M, K, N, y); break;
             case I4: row_tiles(I4, a, n, x, M, K, N, y); break;
             case I8: row_tiles(I8, a, n, x, M, K, N, y); break;
+            case I8M: row_tiles(I8M, a, n, x, M, K, N, y); break;
             default: row_tiles(I8H, a, n, x, M, K, N, y); break;
         }
     }
@@ -551,11 +567,11 @@ GGUF_FORMAT(q4_0, Q4_0)
 GGUF_FORMAT(q4_1, Q4_1)
 GGUF_FORMAT(q8_0, Q8_0)
 
-/* The load-time formats: `bits` 4 (I4, with mins) or 8 (I8, mins NULL); `group` weights per
-   scale. */
+/* The load-time formats: `bits` 4 (I4, with mins) or 8 (I8; I8H for groups of 16; I8M with
+   mins); `group` weights per scale. */
 static QMat group_mat(int bits, const uint8_t* w, const float* scales, const float* mins,
                       int64_t K, int64_t group) {
-    const int fmt = bits == 4 ? I4 : group == QK / 2 ? I8H : I8;
+    const int fmt = bits == 4 ? I4 : mins ? I8M : group == QK / 2 ? I8H : I8;
     const QMat a = {fmt, w, K / QK * block_bytes(fmt), scales, mins, group, K / group};
     return a;
 }

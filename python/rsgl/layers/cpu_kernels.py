@@ -168,15 +168,21 @@ def _check_blocks(blocks: torch.Tensor, fmt: str, k: int | None) -> tuple[int, i
 
 
 def _check_groups(
-    q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group: int
-) -> tuple[int, int, int]:
-    """(bits, rows, K) of a load-time quantized matrix; ValueError unless its parts agree."""
+    bits: int, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group: int
+) -> tuple[int, int]:
+    """(rows, K) of a load-time quantized matrix; ValueError unless its parts agree."""
     if q.dtype != torch.uint8 or q.dim() != 2 or not q.is_contiguous() or q.device.type != "cpu":
         raise ValueError("quantized weights must be a contiguous uint8 [rows, bytes] CPU tensor")
-    bits = 8 if mins is None else 4
+    if bits not in (4, 8):
+        raise ValueError(f"quantized weights have 4 or 8 bits, not {bits}")
+    if bits == 4 and mins is None:
+        raise ValueError("int4 weights need their minimums")
     rows, k = q.shape[0], q.shape[1] * 8 // bits
-    # int8 also takes groups of 16 (GGUF's Q6_K: two scales a block of 32).
-    halves = bits == 8 and group == QUANT_BLOCK // 2
+    # int8 without minimums also takes groups of 16 (GGUF's Q6_K: two scales a block of 32);
+    # with minimums (GGUF's Q5_K) only groups of 32.
+    halves = bits == 8 and mins is None and group == QUANT_BLOCK // 2
+    if bits == 8 and mins is not None and group != QUANT_BLOCK:
+        raise ValueError(f"int8 weights with minimums take groups of {QUANT_BLOCK}, not {group}")
     if group <= 0 or (group % QUANT_BLOCK and not halves) or k % QUANT_BLOCK or k % group:
         raise ValueError(
             f"group {group} must be a multiple of {QUANT_BLOCK} dividing K = {k}"
@@ -189,7 +195,7 @@ def _check_groups(
             raise ValueError("scales and mins must be contiguous float32 CPU tensors")
         if t.shape != (rows, k // group):
             raise ValueError(f"scales and mins must be [{rows}, {k // group}], not {list(t.shape)}")
-    return bits, rows, k
+    return rows, k
 
 
 class CpuKernels:
@@ -554,6 +560,7 @@ class CpuKernels:
 
     def qlinear_group(
         self,
+        bits: int,
         x: torch.Tensor,
         q: torch.Tensor,
         scales: torch.Tensor,
@@ -561,10 +568,11 @@ class CpuKernels:
         group: int,
     ) -> torch.Tensor:
         """x [M, K] (float32 or bfloat16) times W^T for W quantized at load time
-        (`rsgl.layers.quant_linear.GroupQuantized`): q uint8 [N, K] (int8 bytes) or [N, K / 2]
-        (nibbles, with `mins`), float32 scales (and mins) [N, K / group]. Returns [M, N]."""
+        (`rsgl.layers.quant_linear.GroupQuantized`): q uint8 [N, K] (`bits` 8: int8 bytes,
+        w = s * q, or s * q + m with `mins`) or [N, K / 2] (4: nibbles, w = s * q + m),
+        float32 scales (and mins) [N, K / group]. Returns [M, N]."""
         act = _check(x)
-        bits, rows, k = _check_groups(q, scales, mins, group)
+        rows, k = _check_groups(bits, q, scales, mins, group)
         if x.dim() != 2 or x.shape[1] != k:
             raise ValueError(f"qlinear_group: x must be [M, {k}]")
         out = torch.empty((x.shape[0], rows), dtype=x.dtype)
@@ -586,6 +594,7 @@ class CpuKernels:
 
     def dequant_rows_group(
         self,
+        bits: int,
         q: torch.Tensor,
         scales: torch.Tensor,
         mins: torch.Tensor | None,
@@ -594,7 +603,7 @@ class CpuKernels:
     ) -> torch.Tensor:
         """Rows `ids` of a load-time quantized matrix (see `qlinear_group`) as float32."""
         _check_index(ids, torch.int64)
-        bits, rows, k = _check_groups(q, scales, mins, group)
+        rows, k = _check_groups(bits, q, scales, mins, group)
         if len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < rows:
             raise ValueError(f"dequant_rows_group: ids must be in [0, {rows})")
         out = torch.empty((len(ids), k), dtype=torch.float32)

@@ -92,7 +92,9 @@ class GGUFBlocks:
 class GroupQuantized:
     """A weight matrix quantized at load time: `bits` 8 (w = s * q, q int8) or 4 (w = s * q +
     m, q in 0..15, two per byte in GGUF's nibble order within each 32), a float32 scale (and
-    for 4 bits a minimum) per `group` weights of a row ([rows, K / group])."""
+    for 4 bits a minimum) per `group` weights of a row ([rows, K / group]). GGUF's K-quants
+    are read into the same form (`rsgl.models.gguf_weights`): Q5_K as 8 bits with a minimum
+    per 32 (w = s * q + m, q in 0..31)."""
 
     kernels: CpuKernels
     bits: int
@@ -142,10 +144,12 @@ class GroupQuantized:
         return int(self.q.numel() + self.scales.numel() * 4 + extra)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.qlinear_group(x, self.q, self.scales, self.mins, self.group)
+        return self.kernels.qlinear_group(self.bits, x, self.q, self.scales, self.mins, self.group)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.kernels.dequant_rows_group(self.q, self.scales, self.mins, self.group, ids)
+        return self.kernels.dequant_rows_group(
+            self.bits, self.q, self.scales, self.mins, self.group, ids
+        )
 
 
 LowBitWeight = GGUFBlocks | GroupQuantized

@@ -20,7 +20,13 @@ Q6_K super-blocks (256 weights: 6-bit quants split into a low nibble and two hig
 int8 scale per 16 weights, fp16 d), the rest of a `Q4_K_M` file, become int8 groups of 16:
 each weight's quant minus 32 as an int8, each group's scale d * sc in float32 (exact: 11
 by 8 significant bits), so that the int8 kernels' s * q is gguf's product, rounded once.
-Other K-quants stay dense.
+
+Q5_K super-blocks (Q4_K's header and scales, a fifth bit per weight, nibbles), the rest of
+a `Q5_K_M` file with Q6_K, become int8 groups of 32 with a minimum each: the 5-bit quant
+(0..31) as an int8, the scale and minimum as Q4_K's. The scale times a quant is exact (11
+by 6 by 5 significant bits), so the one rounding is again the minimum's, as in gguf's
+dequantize: the same numbers, read as 10 bits a weight (8, and a float32 scale and minimum
+per 32) instead of 5.5. Other K-quants stay dense.
 """
 
 from __future__ import annotations
@@ -69,11 +75,29 @@ Q4_K_BYTES = 144
 Q4_K_GROUPS = QK_K // QUANT_BLOCK
 
 
-def q4_k_groups(kernels: CpuKernels, data: np.ndarray) -> GroupQuantized:
-    """Q4_K rows (uint8 [rows, K / 256 * 144]) as the int4 groups of 32 they hold (see the
-    module doc)."""
-    rows = data.shape[0]
-    blocks = data.reshape(rows, -1, Q4_K_BYTES)
+def _groups(
+    kernels: CpuKernels,
+    bits: int,
+    group: int,
+    q: np.ndarray,
+    scales: np.ndarray,
+    mins: np.ndarray | None,
+) -> GroupQuantized:
+    """The load-time groups of a K-quant's rows: its quant bytes, scales and minimums (each
+    [rows, ...] in row order) as contiguous [rows, -1] tensors."""
+
+    def rows(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a.reshape(q.shape[0], -1)))
+
+    return GroupQuantized(
+        kernels, bits, group, rows(q), rows(scales), None if mins is None else rows(mins)
+    )
+
+
+def _k_scales_mins(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The float32 scales d * sc and minimums -dmin * m of the eight 32-weight groups of Q4_K
+    or Q5_K super-blocks (uint8 [rows, blocks, bytes], the header first: fp16 d and dmin, then
+    twelve bytes of 6-bit scales and minimums) as [rows, blocks, 8]."""
     d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)
     dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
     # Twelve bytes: the low six bits of scales 0-3 (bytes 0-3) and of minimums 0-3 (4-7),
@@ -82,8 +106,15 @@ def q4_k_groups(kernels: CpuKernels, data: np.ndarray) -> GroupQuantized:
     low, mid, high = blocks[..., 4:8], blocks[..., 8:12], blocks[..., 12:16]
     sc = np.concatenate([low & 63, (high & 15) | ((low >> 6) << 4)], axis=-1)
     mn = np.concatenate([mid & 63, (high >> 4) | ((mid >> 6) << 4)], axis=-1)
-    scales = d * sc.astype(np.float32)
-    mins = -(dmin * mn.astype(np.float32))
+    return d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
+
+
+def q4_k_groups(kernels: CpuKernels, data: np.ndarray) -> GroupQuantized:
+    """Q4_K rows (uint8 [rows, K / 256 * 144]) as the int4 groups of 32 they hold (see the
+    module doc)."""
+    rows = data.shape[0]
+    blocks = data.reshape(rows, -1, Q4_K_BYTES)
+    scales, mins = _k_scales_mins(blocks)
     # Each 64 weights are 32 bytes: group 2c in their low nibbles, group 2c + 1 in their
     # high ones, weight l in byte l. GGUF's 32-weight order puts weights j and j + 16 of a
     # group in byte j.
@@ -91,14 +122,28 @@ def q4_k_groups(kernels: CpuKernels, data: np.ndarray) -> GroupQuantized:
     values = (qs >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 15
     values = values.reshape(rows, -1, QUANT_BLOCK)
     packed = values[..., :16] | (values[..., 16:] << 4)
-    return GroupQuantized(
-        kernels,
-        4,
-        QUANT_BLOCK,
-        torch.from_numpy(np.ascontiguousarray(packed.reshape(rows, -1))),
-        torch.from_numpy(np.ascontiguousarray(scales.reshape(rows, -1))),
-        torch.from_numpy(np.ascontiguousarray(mins.reshape(rows, -1))),
-    )
+    return _groups(kernels, 4, QUANT_BLOCK, packed, scales, mins)
+
+
+# Q5_K: bytes per super-block (the header and scales as Q4_K's, 32 bytes of fifth bits, 128
+# of nibbles).
+Q5_K_BYTES = 176
+
+
+def q5_k_groups(kernels: CpuKernels, data: np.ndarray) -> GroupQuantized:
+    """Q5_K rows (uint8 [rows, K / 256 * 176]) as the int8 groups of 32 with minimums they
+    hold (see the module doc)."""
+    rows = data.shape[0]
+    blocks = data.reshape(rows, -1, Q5_K_BYTES)
+    scales, mins = _k_scales_mins(blocks)
+    # Group g of a super-block takes, for weight l, the low (g even) or high (g odd) nibble
+    # of nibble byte 32 * (g // 2) + l and bit g of fifth-bit byte l.
+    nibbles = blocks[..., 48:].reshape(rows, -1, Q4_K_GROUPS // 2, 1, 32)
+    nibbles = (nibbles >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 15
+    fifth = blocks[..., 16:48].reshape(rows, -1, 1, 32)
+    fifth = (fifth >> np.arange(Q4_K_GROUPS, dtype=np.uint8).reshape(-1, 1)) & 1
+    q = nibbles.reshape(rows, -1, Q4_K_GROUPS, 32) | (fifth << 4)
+    return _groups(kernels, 8, QUANT_BLOCK, q, scales, mins)
 
 
 # Q6_K: bytes per super-block (128 of low nibbles, 64 of high bit pairs, 16 int8 scales, fp16
@@ -123,25 +168,18 @@ def q6_k_groups(kernels: CpuKernels, data: np.ndarray) -> GroupQuantized:
     q = (quants.astype(np.int16) - 32).astype(np.int8).reshape(rows, -1)
     sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
     d = blocks[..., 208:210].copy().view(np.float16).astype(np.float32)
-    return GroupQuantized(
-        kernels,
-        8,
-        Q6_K_GROUP,
-        torch.from_numpy(np.ascontiguousarray(q.view(np.uint8))),
-        torch.from_numpy(np.ascontiguousarray((d * sc).reshape(rows, -1))),
-        None,
-    )
+    return _groups(kernels, 8, Q6_K_GROUP, q.view(np.uint8), d * sc, None)
 
 
 # The K-quants read as load-time groups.
-_K_QUANTS = {"Q4_K": q4_k_groups, "Q6_K": q6_k_groups}
+_K_QUANTS = {"Q4_K": q4_k_groups, "Q5_K": q5_k_groups, "Q6_K": q6_k_groups}
 
 
 def read_blocks(
     path: Path, kernels: CpuKernels, int8_activations: bool = False
 ) -> dict[str, LowBitWeight]:
     """Every projection and embedding tensor of `path` stored in a format the kernels read
-    (`QUANT_FORMATS`, and Q4_K and Q6_K as groups), by HF name; tensors in other formats are
+    (`QUANT_FORMATS`, and Q4_K, Q5_K and Q6_K as groups), by HF name; tensors in other formats are
     left out (they stay dense). `int8_activations`: the products of GGUF blocks quantize the
     activations (`GGUFBlocks`); the K-quants' groups multiply them as they are."""
     from gguf import GGUFReader
@@ -162,4 +200,4 @@ def read_blocks(
     return out
 
 
-__all__ = ["GGUF_MODES", "hf_name", "q4_k_groups", "q6_k_groups", "read_blocks"]
+__all__ = ["GGUF_MODES", "hf_name", "q4_k_groups", "q5_k_groups", "q6_k_groups", "read_blocks"]
