@@ -140,10 +140,11 @@ def test_tries_grow_rarer_while_they_confirm_the_choice_and_reset_when_it_turns(
     assert starts[2] - starts[1] > starts[1] - starts[0]
 
 
-def test_the_climb_stops_where_the_next_rung_cannot_win() -> None:
+def test_the_climb_stops_where_no_rung_above_can_win() -> None:
     # Batch 64: a verify of one draft a request costs 2.5x a plain step, and a tenth of the
     # requests accept theirs. Even if every further draft were accepted as often, a step of
-    # 2 drafts (at least 2.5x plain) would commit 1.2 tokens a request: it is not measured.
+    # 4 drafts (at least 2.5x plain) would commit 1.375 tokens a request: 2 and 4 are not
+    # measured.
     policy = DraftPolicy(max_drafts=4, explore_every=10_000)
     seconds = {0: 1.0, 1: 2.5, 2: 3.0, 4: 4.0}
     for _ in range(40):
@@ -157,7 +158,8 @@ def test_the_climb_stops_where_the_next_rung_cannot_win() -> None:
 def test_the_climb_goes_on_past_losing_rungs_while_the_top_one_could_win() -> None:
     # Batch 4 on a 2-core Zen 3: any draft takes the projections past their low-bit rows to
     # the dense copy, so a step's cost jumps at 1 draft and hardly grows above (seconds per
-    # request, measured in ms). 9 requests of 10 accept every draft: 1 and 2 drafts lose
+    # request, measured in ms). Here 10 requests with those costs, 9 of which accept every
+    # draft (a share of 10 is finer than one of 4): 1 and 2 drafts lose
     # (22.75 / 1.9 and 24.75 / 2.8 a token against 8.45), 4 wins (30.1 / 4.6). After 1, the
     # next rung could win only at 22.75 / 2.8 (not by the margin); the top one at 22.75 / 4.6.
     policy = DraftPolicy(max_drafts=4, explore_every=10_000)

@@ -186,7 +186,7 @@ def _check_groups(
     if group <= 0 or (group % QUANT_BLOCK and not halves) or k % QUANT_BLOCK or k % group:
         raise ValueError(
             f"group {group} must be a multiple of {QUANT_BLOCK} dividing K = {k}"
-            + (f" (or {QUANT_BLOCK // 2}, for int8 weights)" if bits == 8 else "")
+            + (f" (or {QUANT_BLOCK // 2}, for int8 weights)" if mins is None else "")
         )
     for t in (scales, mins):
         if t is None:

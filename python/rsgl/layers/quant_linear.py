@@ -184,7 +184,11 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         w = self.weight
-        kind = w.fmt if isinstance(w, GGUFBlocks) else f"int{w.bits}, group {w.group}"
+        if isinstance(w, GGUFBlocks):
+            kind = w.fmt
+        else:
+            minimums = ", with minimums" if w.bits == 8 and w.mins is not None else ""
+            kind = f"int{w.bits}, group {w.group}{minimums}"
         dense_above = self.max_rows if self.dense is not None else None
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, {kind}, "

@@ -38,8 +38,9 @@ be accepted at most as often as the last one measured, so the top rung is the on
 Asking only the next rung stops the climb too early where a step's cost jumps: on a 2-core
 Zen 3 at batch 4, 1 draft a request takes the projections past their low-bit rows to the
 dense copy (`low_bit_max_rows`: 91 ms a step against 33.8 plain), 2 drafts cost 99 ms and 4
-drafts 120 ms, so with 91% of first drafts accepted 1 and 2 lose (11.9 and 10.5 ms a token
-against 8.4) while 4 wins (7.7). It then runs the cheapest rung, and tries a neighbour of it
+drafts 120 ms, so where 91% of every draft is accepted 1 and 2 lose (11.9 and 8.8 ms a token
+against 8.45) while 4 wins (6.5); after 1, the next rung could win only at 8.07 ms a token,
+not by the margin. It then runs the cheapest rung, and tries a neighbour of it
 (above and below in turn) now and then, so that the reach above the choice and the seconds
 of its neighbours stay fresh and a change in the workload is followed a rung at a time. A
 try that leaves the choice as it was doubles the group's interval (up to
