@@ -87,23 +87,28 @@ def _quantized_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fmt", list(QUANT_FORMATS))
+@pytest.mark.parametrize("cols", [256, 32 * 67])
 def test_int8_activations_multiply_the_blocks_by_the_quantized_rows(
-    kernels: CpuKernels, fmt: str
+    kernels: CpuKernels, fmt: str, cols: int
 ) -> None:
-    blocks, dense = _random_blocks(fmt, 67, 256, seed=5)
-    x = torch.randn(21, 256, generator=torch.Generator().manual_seed(6))
+    # 32 * 67: more blocks a row than the kernels read headers for at once (64), and an odd
+    # count (the 4-bit formats take blocks in pairs).
+    blocks, dense = _random_blocks(fmt, 67, cols, seed=5)
+    x = torch.randn(21, cols, generator=torch.Generator().manual_seed(6))
     x[3, :32] = 0.0  # an all-zero block: scale 0
     x[4, 40] = 1e4  # one block dominated by one value
+    x[5, -32:] = 0.0  # the last block (in an odd count, the one without a pair): scale 0
+    x[6, -1] = -1e4
     got = kernels.qlinear(x, blocks, fmt, int8_activations=True)
     # The file's weights times the quantized rows, up to float32 summation error ...
     reference = _quantized_rows(x).double() @ dense.double().T
     magnitudes = _quantized_rows(x).double().abs() @ dense.double().abs().T
-    assert ((got.double() - reference).abs() <= 1e-6 * 256 * magnitudes + 1e-30).all()
+    assert ((got.double() - reference).abs() <= 1e-6 * cols * magnitudes + 1e-30).all()
     # ... which is not the float product: each value moved by up to half a step.
     exact = x.double() @ dense.double().T
     steps = x.reshape(21, -1, 32).abs().amax(-1, keepdim=True).expand(-1, -1, 32) / 127
-    bound = 0.5 * steps.reshape(21, 256).double() @ dense.double().abs().T
-    assert ((got.double() - exact).abs() <= 1.001 * bound + 1e-6 * 256 * magnitudes).all()
+    bound = 0.5 * steps.reshape(21, cols).double() @ dense.double().abs().T
+    assert ((got.double() - exact).abs() <= 1.001 * bound + 1e-6 * cols * magnitudes).all()
     assert not torch.equal(got, kernels.qlinear(x, blocks, fmt))
     # One order per row whatever the batch (tiles of up to four rows, weight rows in pairs).
     for start, stop in ((0, 1), (4, 5), (20, 21), (0, 3), (2, 9), (5, 17), (3, 21)):

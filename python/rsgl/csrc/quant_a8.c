@@ -8,22 +8,33 @@
        sum(w * x') = d * dx * sum(q * qx) + m * sx,
 
    where x' = dx * qx is the quantized row and sum(q * qx) an exact integer sum: byte
-   products summed in pairs (maddubs), then in fours (madd), 8 lanes a block. Where the
-   exact kernels (quant.c) rebuild each float32 weight (a conversion and two multiply-adds
-   per 8 weights), this is two integer instructions and a conversion per 32 weights, and the
-   weights stay the file's; what changes is x, rounded to 8 bits per block. So the logits
+   products summed in pairs (maddubs), then in fours (madd), 8 lanes a block (Q8_0) or, two
+   4-bit blocks a register, 4 lanes each. Where the exact kernels (quant.c) rebuild each
+   float32 weight (a conversion and two multiply-adds per 8 weights), this is a few integer
+   instructions and a conversion per 32 weights, and the weights stay the file's; what changes is x, rounded to 8 bits per block. So the logits
    are not the float32 model's: `rsgl bench quality --modes gguf_a8` measures the KL
    divergence that costs.
 
    Each (row of x, weight row) is summed in one order whatever the batch (8 lanes over the
-   blocks, then a fixed tree; the offsets' terms in four lanes beside, one block each), so a
+   blocks or pairs of blocks, then a fixed tree; the offsets' terms in four lanes beside, one block each), so a
    request's logits do not depend on the batch it ran in. */
 #include "gguf_blocks.h"
 
-/* Row x[K] quantized per block: q[K] int8, and per block the pair (dx, dx * sum(q)) in
-   ds[2b], ds[2b + 1]. */
-static void quantize_row(const float* x, int64_t K, int8_t* q, float* ds) {
-    for (int64_t b = 0; b < K / QK; b++) {
+/* Where element i of block b of a quantized row goes. For the 4-bit formats under AVX2 the
+   blocks go in pairs, each pair's 64 bytes as [a 0..15, b 0..15, a 16..31, b 16..31]: one
+   32-byte load of two blocks' nibbles (16 bytes each, element j in the low half and j + 16
+   in the high one) masked gives the first halves of both blocks, shifted and masked their
+   second halves, each beside its 32 bytes of x. A row's odd last block stays in order. */
+static inline int64_t qx_index(int paired, int64_t nb, int64_t b, int i) {
+    if (!paired || (b == nb - 1 && nb % 2)) return b * QK + i;
+    return (b & ~(int64_t)1) * QK + (i >= 16) * 32 + (b & 1) * 16 + (i & 15);
+}
+
+/* Row x[K] quantized per block: q[K] int8 (laid out by qx_index), and per block the pair
+   (dx, dx * sum(q)) in ds[2b], ds[2b + 1]. */
+static void quantize_row(const float* x, int64_t K, int paired, int8_t* q, float* ds) {
+    const int64_t nb = K / QK;
+    for (int64_t b = 0; b < nb; b++) {
         const float* xb = x + b * QK;
         float amax = 0.f;
         for (int i = 0; i < QK; i++) {
@@ -34,7 +45,7 @@ static void quantize_row(const float* x, int64_t K, int8_t* q, float* ds) {
         int sum = 0;
         for (int i = 0; i < QK; i++) {
             const int v = (int)__builtin_rintf(xb[i] * id);
-            q[b * QK + i] = (int8_t)v;
+            q[qx_index(paired, nb, b, i)] = (int8_t)v;
             sum += v;
         }
         ds[2 * b] = d;
@@ -58,6 +69,9 @@ typedef struct {
 static inline int64_t a8_weight_rows(int64_t R) { return R == 1 ? 4 : 2; }
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* Whether x's blocks go in pairs (qx_index) for weights of format fmt. */
+#define A8_PAIRED(fmt) ((fmt) != Q8_0)
+
 /* A weight block's 32 quants as bytes in element order, and (Q8_0) its signs. Nibble byte
    j holds element j (low half) and j + 16 (high half): the 16 bytes broadcast to both
    halves, the high half shifted down 4, then masked. */
@@ -80,6 +94,33 @@ static inline __m256 block_dot(int fmt, __m256i wq, const int8_t* qx) {
     }
     const __m256i pairs = _mm256_maddubs_epi16(wq, a);
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+/* Two consecutive 4-bit blocks' quants (q: the first one's nibbles, bb bytes apart): elements
+   0..15 of both in lo, 16..31 in hi, the first block's in the low 16 bytes of each. */
+static inline void pair_quants(const uint8_t* q, int64_t bb, __m256i* lo, __m256i* hi) {
+    const __m256i v = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)q)),
+        _mm_loadu_si128((const __m128i*)(q + bb)), 1);
+    *lo = _mm256_and_si256(v, _mm256_set1_epi8(15));
+    *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15));
+}
+
+/* sum(q * qx) of a pair of blocks as floats, the first's in lanes 0..3 and the second's in
+   4..7 (qx laid out by qx_index). The halves' byte products are summed in pairs and the two
+   added in 16 bits: at most 2 * 2 * 15 * 127, no saturation. */
+static inline __m256 pair_dot(__m256i lo, __m256i hi, const int8_t* qx) {
+    const __m256i sums = _mm256_add_epi16(
+        _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)qx)),
+        _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(qx + 32))));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(sums, _mm256_set1_epi16(1)));
+}
+
+/* A pair of blocks' scales d * dx (sc: the first one's (scale, offset term) pair, then the
+   second's) spread to the lanes pair_dot gives each block. */
+static inline __m256 pair_scales(const float* sc) {
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(sc)),
+                                    _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
 }
 
 /* Four blocks' (d, m) pairs times x's (dx, sx) pairs: each block's scale d * dx in the even
@@ -115,7 +156,18 @@ static inline __attribute__((always_inline)) void a8_tile(const int fmt, const u
                     offs[i][r] = _mm256_add_ps(offs[i][r], p);
                 }
             }
-        for (int64_t k = c0; k < c1; k++) {
+        int64_t k = c0; /* even: HEADER_CHUNK is */
+        if (A8_PAIRED(fmt))
+            for (; k + 1 < c1; k += 2)
+                for (int i = 0; i < W; i++) {
+                    __m256i lo, hi;
+                    pair_quants(w + (n + i) * row_bytes + k * block_bytes(fmt) + qoff, block_bytes(fmt), &lo, &hi);
+                    for (int r = 0; r < R; r++) {
+                        const __m256 dot = pair_dot(lo, hi, x->q + (r * nb + k) * QK);
+                        acc[i][r] = _mm256_fmadd_ps(dot, pair_scales(sc[i][r] + 2 * (k - c0)), acc[i][r]);
+                    }
+                }
+        for (; k < c1; k++) {
             for (int i = 0; i < W; i++) {
                 const __m256i wq = block_quants(fmt, w + (n + i) * row_bytes + k * block_bytes(fmt) + qoff);
                 for (int r = 0; r < R; r++) {
@@ -156,6 +208,8 @@ static inline __attribute__((always_inline)) void a8_rows(const int fmt, const u
 #undef A8_TILE
 }
 #else
+#define A8_PAIRED(fmt) 0
+
 /* The same sums in plain C: per block an exact integer dot, scaled as above. */
 static inline void a8_rows(const int fmt, const uint8_t* w, int64_t row_bytes, int64_t n,
                            const QRows* x, int64_t R, int64_t W, float* y, int64_t N) {
@@ -193,7 +247,7 @@ static void qlinear_a8_f32(int fmt, const float* x, int64_t M, int64_t K, const 
     if (!buf) abort();
     float* ds = (float*)buf;
     int8_t* q = (int8_t*)(ds + 2 * M * np);
-    for (int64_t r = 0; r < M; r++) quantize_row(x + r * K, K, q + r * K, ds + r * 2 * np);
+    for (int64_t r = 0; r < M; r++) quantize_row(x + r * K, K, A8_PAIRED(fmt), q + r * K, ds + r * 2 * np);
     const int64_t row_bytes = nb * block_bytes(fmt), step = a8_weight_rows(M < A8_ROWS ? M : A8_ROWS);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N * M * K >= 65536)
     for (int64_t n = 0; n < N; n += step) {
