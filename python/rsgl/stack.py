@@ -82,12 +82,13 @@ class ModelStack:
             "quantization": getattr(getattr(self.runner, "loaded", None), "quantization", "none"),
             # Steps of up to this many rows read the low-bit weights, larger ones the dense
             # copy (`rsgl.layers.quant_linear.low_bit_max_rows`; None: no low-bit weights).
-            "low_bit_max_rows": self._low_bit_max_rows(),
+            "low_bit_max_rows": self.low_bit_max_rows(),
             "tp_size": max(1, len(self.tp_shards)),
             "tp_shards": [shard.to_dict() for shard in self.tp_shards],
         }
 
-    def _low_bit_max_rows(self) -> int | None:
+    def low_bit_max_rows(self) -> int | None:
+        """The most rows a step may have and still read the low-bit weights (None: none)."""
         model = getattr(getattr(self.runner, "loaded", None), "model", None)
         if model is None:
             return None
@@ -438,6 +439,7 @@ def build_loop(
         grammar_compile_timeout=args.grammar_compile_timeout,
         reasoning_end_ids=reasoning_end_ids(stack.tokenizer, args.reasoning_parser),
         adaptive_drafts=not args.disable_speculative_adaptive,
+        low_bit_rows=stack.low_bit_max_rows(),
         step_log=args.step_log,
         dp_rank=dp_rank,
     )

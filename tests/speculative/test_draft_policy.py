@@ -174,6 +174,33 @@ def test_the_climb_goes_on_past_losing_rungs_while_the_top_one_could_win() -> No
     assert set(limits[4 * TRY_STEPS :]) == {4}
 
 
+@pytest.mark.parametrize(("low_bit_rows", "chosen"), [(None, 4), (4, 0), (24, 4)])
+def test_rungs_whose_verify_steps_leave_the_low_bit_weights_need_a_wider_margin(
+    low_bit_rows: int | None, chosen: int
+) -> None:
+    # Batch 4, every draft accepted (copying), Zen 3's costs: any draft takes a verify step
+    # past 4 rows to the dense copy; 4 drafts save 8.8% a token (7.7 against 8.44 ms), 2
+    # drafts 2%. Enough by DRAFT_MARGIN, not by DENSE_MARGIN: with the low-bit weights read
+    # up to 4 rows plain is kept; up to 24 rows (gguf_a8 on AVX2) a verify of 4 x 5 rows
+    # still reads them.
+    policy = DraftPolicy(max_drafts=4, explore_every=10_000, low_bit_rows=low_bit_rows)
+    seconds = {0: 8.44, 1: 22.6, 2: 24.8, 4: 38.5}
+    limits = _steps(policy, 4, accepts=4, n=4 * TRY_STEPS + 10, seconds=seconds)
+    assert set(policy.summary()["4"]) == {"0", "1", "2", "4"}  # the climb measured them all
+    assert set(limits[4 * TRY_STEPS :]) == {chosen}
+
+
+def test_a_rung_within_the_low_bit_rows_keeps_the_usual_margin() -> None:
+    # Batch 1, low-bit weights up to 4 rows: 1 draft saves nothing, 2 drafts (3 rows) 8%,
+    # 4 drafts (5 rows, the dense copy) 12%: 2 drafts are chosen by DRAFT_MARGIN, 4 would
+    # need DENSE_MARGIN.
+    seconds = {0: 1.0, 1: 2.0, 2: 2.76, 4: 4.4}
+    for rows, chosen in ((4, 2), (None, 4)):
+        policy = DraftPolicy(max_drafts=4, explore_every=10_000, low_bit_rows=rows)
+        limits = _steps(policy, 1, accepts=4, n=4 * TRY_STEPS + 10, seconds=seconds)
+        assert set(limits[4 * TRY_STEPS :]) == {chosen}, rows
+
+
 def test_tries_of_a_losing_rung_waste_at_most_the_budget() -> None:
     # Plain is chosen; a try of one draft costs 2.5 / 1.1 of plain a token. Its TRY_STEPS
     # steps waste ~3.8 plain steps, so tries come no more often than every 3.8 / 0.02 steps.

@@ -249,6 +249,15 @@ def test_adaptive_policy_reports_its_limit(spec: Engine) -> None:
     assert stats["spec_draft_limit"] in ladder(SPEC["speculative_num_draft_tokens"] - 1)
 
 
+def test_the_policy_knows_where_steps_leave_the_low_bit_weights(spec: Engine) -> None:
+    # The embedded GGUF is served from its blocks: the policy judges rungs whose verify
+    # steps would cross the engine's low-bit rows by the wider margin.
+    rows = spec.get_server_info()["low_bit_max_rows"]
+    assert isinstance(rows, int) and rows > 0
+    policy = spec._loop.draft_policy
+    assert policy is not None and policy.low_bit_rows == rows
+
+
 def test_speculation_turns_mixed_chunks_off(plain: Engine) -> None:
     # A mixed step's prefill rows are no verify rows (a non-final chunk samples nothing).
     with make_engine(enable_mixed_chunk=True, chunked_prefill_size=16, **SPEC) as llm:

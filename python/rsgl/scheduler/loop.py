@@ -148,6 +148,7 @@ class SchedulerLoop:
         grammar_compile_timeout: float = 30.0,
         reasoning_end_ids: Sequence[int] | None = None,
         adaptive_drafts: bool = True,
+        low_bit_rows: int | None = None,
         step_log: str | None = None,
         dp_rank: int = 0,
     ) -> None:
@@ -190,7 +191,9 @@ class SchedulerLoop:
         # Whether each step drafts, chosen from measured costs (None: not speculating).
         self.draft_policy = None
         if core.draft_limit > 0:
-            self.draft_policy = DraftPolicy(core.draft_limit, adaptive=adaptive_drafts)
+            self.draft_policy = DraftPolicy(
+                core.draft_limit, adaptive=adaptive_drafts, low_bit_rows=low_bit_rows
+            )
         self.step_failures = 0
         self._failures_in_a_row = 0
         self._last_step_done = 0.0  # when the last processed step's result was ready

@@ -13,7 +13,8 @@ configured maximum, the maximum) the one whose expected seconds per committed to
     cost(k) = seconds per request of a step at limit k / (1 + reach_1 + ... + reach_k),
 
 is least (plain unless drafting saves `DRAFT_MARGIN` of its cost: the two are measured at
-different times, on machines whose speed drifts). The seconds are an exponential average
+different times, on machines whose speed drifts; `DENSE_MARGIN` where the rung's verify
+steps leave the low-bit weights that plain steps read). The seconds are an exponential average
 per limit (they depend on the machine and
 the batch, and hardly vary from step to step); reach_j is the share of requests that accept
 at least j drafts at steps that allow j, averaged over every such step (a request accepts
@@ -74,6 +75,15 @@ TRY_STEPS = 3
 # tokens per second than no speculation. A gain within the margin is not worth risking a
 # loss as large.
 DRAFT_MARGIN = 0.05
+# The share of plain's cost per token a rung must save when its verify steps leave the
+# low-bit weights for the dense copy where plain's steps read the low-bit blocks
+# (`low_bit_max_rows`). Such a rung's steps are bound by arithmetic where plain's are bound
+# by memory, so the machine's drift moves the two apart, and what it can save is small: on a
+# 2-core Zen 3 at batch 4 a verify of 4 drafts a request costs 2.6-3.5x a plain step, so
+# even copying (91% of drafts accepted) saves at most ~10% a token, and at concurrency 4 the
+# policy chose such a rung for stretches of 20 steps while it cost 2% more a token than plain
+# (the bench measured speculation 16% slower there).
+DENSE_MARGIN = 0.15
 # The share of a group's time that tries of a losing rung may waste.
 EXPLORE_BUDGET = 0.02
 
@@ -108,6 +118,7 @@ class _Group:
     choice (a neighbour's try, not a first measurement) and whether the choice turned during
     it, and which neighbour (above or below) the next try takes."""
 
+    margins: dict[int, float]  # by rung: the share of plain's cost it must save
     seconds: dict[int, _Average] = field(default_factory=dict)
     reach: list[_Average] = field(default_factory=list)
     interval: int = 0
@@ -126,18 +137,24 @@ class _Group:
         return seconds.value / (1.0 + sum(r.value for r in self.reach[:limit]))
 
     def chosen(self, rungs: list[int]) -> int | None:
-        """The measured rung that costs least per committed token, plain unless drafting
-        saves `DRAFT_MARGIN` of its cost (None: a rung is still to be measured first).
+        """The measured rung that costs least per committed token of those that save their
+        margin of plain's cost, else plain (None: a rung is still to be measured first).
         `rungs[0]` is plain."""
         if self.to_measure(rungs) is not None:
             return None
         return self.cheapest(rungs)
 
     def cheapest(self, rungs: list[int]) -> int:
-        """`chosen` among the rungs measured (plain must be)."""
-        costs = {r: c for r in rungs if (c := self.cost(r)) is not None}
-        best = min(costs, key=costs.__getitem__)
-        return best if costs[best] < (1.0 - DRAFT_MARGIN) * costs[rungs[0]] else rungs[0]
+        """`chosen` among the rungs measured (plain must be): the cheapest of those that
+        save their margin of plain's cost, else plain."""
+        plain = self.cost(rungs[0])
+        assert plain is not None
+        costs = {
+            r: c
+            for r in rungs[1:]
+            if (c := self.cost(r)) is not None and c < (1.0 - self.margins[r]) * plain
+        }
+        return min(costs, key=costs.__getitem__) if costs else rungs[0]
 
     def to_measure(self, rungs: list[int]) -> int | None:
         """The lowest rung not measured yet, if it or a rung above it could still be the
@@ -152,7 +169,9 @@ class _Group:
             cheapest = self.cheapest(rungs)
             best = self.cost(cheapest)
             assert best is not None
-            target = best if cheapest > 0 else (1.0 - DRAFT_MARGIN) * best
+            # Against plain: the smallest margin of the rungs still to measure.
+            margin = min(self.margins[r] for r in rungs if r >= rung)
+            target = best if cheapest > 0 else (1.0 - margin) * best
             # At best: the steps of this rung and those above it cost the rung below's,
             # every added draft reaches as far as the last one measured. The top rung adds
             # the most drafts.
@@ -170,6 +189,10 @@ class DraftPolicy:
 
     max_drafts: int
     adaptive: bool = True  # False: every step may draft `max_drafts` (SGLang's behaviour)
+    # Steps of up to this many rows read the low-bit weights, larger ones the dense copy
+    # (`low_bit_max_rows`; None: no low-bit weights): a group whose verify steps would cross
+    # it where its plain steps do not judges those rungs by DENSE_MARGIN.
+    low_bit_rows: int | None = None
     explore_every: int = 64
     max_explore_every: int = 256
     explore_budget: float = EXPLORE_BUDGET
@@ -190,7 +213,7 @@ class DraftPolicy:
         """The drafts per request the next step may carry."""
         if not self.adaptive:
             return self.max_drafts
-        group = self.groups.setdefault(self.group_of(self.batch), _Group())
+        group = self._group(self.group_of(self.batch))
         if group.trying > 0:
             group.trying -= 1
             assert group.trial is not None
@@ -212,6 +235,21 @@ class DraftPolicy:
         trial = neighbours[-1] if group.upward else neighbours[0]
         group.upward = not group.upward
         return self._try(group, trial, judging=True)
+
+    def _group(self, size: int) -> _Group:
+        """The group of batch-size group `size`, made on first use with its margins: a rung
+        whose verify rows (at most size x (1 + drafts)) leave the low-bit weights that plain
+        steps read needs DENSE_MARGIN, the others DRAFT_MARGIN."""
+        group = self.groups.get(size)
+        if group is None:
+            rows = self.low_bit_rows
+
+            def dense(rung: int) -> bool:
+                return rows is not None and size <= rows < size * (1 + rung)
+
+            margins = {r: DENSE_MARGIN if dense(r) else DRAFT_MARGIN for r in self.rungs}
+            group = self.groups[size] = _Group(margins)
+        return group
 
     def _budgeted(self, group: _Group, trial: int) -> int:
         """The fewest steps between tries of `trial` that keep what a try of it wastes (its
@@ -237,7 +275,7 @@ class DraftPolicy:
         last, self._last_limit = self._last_limit, limit
         if batch <= 0:
             return
-        group = self.groups.setdefault(self.group_of(batch), _Group())
+        group = self._group(self.group_of(batch))
         before = group.chosen(self.rungs)
         counts = sorted(accepted) if accepted is not None else [0] * batch
         while len(group.reach) < limit:
