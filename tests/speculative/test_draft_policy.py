@@ -190,6 +190,16 @@ def test_rungs_whose_verify_steps_leave_the_low_bit_weights_need_a_wider_margin(
     assert set(limits[4 * TRY_STEPS :]) == {chosen}
 
 
+def test_a_group_that_straddles_the_low_bit_rows_takes_the_wider_margin() -> None:
+    # gguf_a8 on AVX2 reads the low-bit weights up to 24 rows: batch 20 (group 32) does on
+    # plain steps, and any verify leaves them, though batch 32 plain does not.
+    seconds = {0: 8.44, 1: 22.6, 2: 24.8, 4: 38.5}
+    for rows, chosen in ((24, 0), (16, 4)):
+        policy = DraftPolicy(max_drafts=4, explore_every=10_000, low_bit_rows=rows)
+        limits = _steps(policy, 20, accepts=4, n=4 * TRY_STEPS + 10, seconds=seconds)
+        assert set(limits[4 * TRY_STEPS :]) == {chosen}, rows
+
+
 def test_a_rung_within_the_low_bit_rows_keeps_the_usual_margin() -> None:
     # Batch 1, low-bit weights up to 4 rows: 1 draft saves nothing, 2 drafts (3 rows) 8%,
     # 4 drafts (5 rows, the dense copy) 12%: 2 drafts are chosen by DRAFT_MARGIN, 4 would

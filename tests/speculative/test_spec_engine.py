@@ -20,7 +20,7 @@ from rsgl.bench.speculative import copy_heavy_messages
 from rsgl.engine import Engine
 from rsgl.layers.cpu_kernels import load_cpu_kernels
 from rsgl.scheduler.step_shape import StepShape
-from rsgl.speculative.policy import ladder
+from rsgl.speculative.policy import DENSE_MARGIN, DraftPolicy, ladder
 
 SPEC = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 5}
 PROMPTS = [
@@ -256,6 +256,8 @@ def test_the_policy_knows_where_steps_leave_the_low_bit_weights(spec: Engine) ->
     assert isinstance(rows, int) and rows > 0
     policy = spec._loop.draft_policy
     assert policy is not None and policy.low_bit_rows == rows
+    # The group of batches that reach those rows: any verify step of theirs leaves them.
+    assert policy._group(DraftPolicy.group_of(rows)).margins[1] == DENSE_MARGIN
 
 
 def test_speculation_turns_mixed_chunks_off(plain: Engine) -> None:

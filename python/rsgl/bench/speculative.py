@@ -11,14 +11,15 @@ are accepted on average.
 `--parts workloads` serves a copy-heavy workload (`copy_heavy_messages`: passages, functions
 and JSON documents echoed with one edit) and a free-writing one (open questions) through two
 engines in one process, speculation off and on, greedy and at temperature 0.7 (seeded), at
-each concurrency: output tokens per second of each (medians of `--rounds` alternated runs),
-their ratio (the median of the rounds' ratios; the medians' ratio beside it), the average
-accept length and drafts per verify step, and whether the outputs were identical. Every request generates
-`--output-len` tokens (`ignore_eos`), so both engines run the same batches however their
-tokens compare: in float32 they are identical; in bfloat16 too where a verify step's tokens
-fit the decode stack (each token a decode row: the low-bit rows, `rsgl.layers.quant_linear`),
-but a larger verify's logits (an extend's kernels) round otherwise than a decode step's, so
-a near-tie may go the other way and the text diverge from there.
+each concurrency: output tokens per second of each (medians of `--rounds` alternated
+runs), their ratio (the median of the rounds' ratios; the medians' ratio beside it), the
+average accept length and drafts per verify step, and whether the outputs were identical.
+Every request generates `--output-len` tokens (`ignore_eos`), so both engines run the same
+batches however their tokens compare: in float32 they are identical; in bfloat16 too where a
+verify step's tokens fit the decode stack (each token a decode row: the low-bit rows,
+`rsgl.layers.quant_linear`), but a larger verify's logits (an extend's kernels) round
+otherwise than a decode step's, so a near-tie may go the other way and the text diverge
+from there.
 
     rsgl bench speculative --parts workloads --concurrency 1,4,16,64
 """
@@ -284,7 +285,7 @@ def workloads(args: argparse.Namespace) -> list[dict[str, object]]:
                     # Each round's pair ran within a minute of itself: the median of the
                     # rounds' ratios leaves out the drift between rounds that a ratio of the
                     # medians keeps (a VM's speed moves by a third within minutes).
-                    paired = statistics.median(a / b for a, b in zip(on_rates, off_rates))
+                    ratios = [a / b for a, b in zip(on_rates, off_rates, strict=True)]
                     after = spec.get_server_info()["speculative"]
                     delta = {k: after[k] - before[k] for k in after}
                     drafted = delta["spec_drafted_rows"]
@@ -297,8 +298,8 @@ def workloads(args: argparse.Namespace) -> list[dict[str, object]]:
                             "requests": len(messages),
                             "off_tok_s": round(off_rate, 1),
                             "on_tok_s": round(on_rate, 1),
-                            "ratio": round(paired, 3),
-                            "ratio_runs": [round(a / b, 3) for a, b in zip(on_rates, off_rates)],
+                            "ratio": round(statistics.median(ratios), 3),
+                            "ratio_runs": [round(r, 3) for r in ratios],
                             "medians_ratio": round(on_rate / off_rate, 3),
                             "identical_outputs": on_ids == off_ids,
                             "accept_length": round(

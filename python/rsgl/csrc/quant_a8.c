@@ -11,20 +11,21 @@
    products summed in pairs (maddubs), then in fours (madd), 8 lanes a block (Q8_0) or, two
    4-bit blocks a register, 4 lanes each. Where the exact kernels (quant.c) rebuild each
    float32 weight (a conversion and two multiply-adds per 8 weights), this is a few integer
-   instructions and a conversion per 32 weights, and the weights stay the file's; what changes is x, rounded to 8 bits per block. So the logits
-   are not the float32 model's: `rsgl bench quality --modes gguf_a8` measures the KL
-   divergence that costs.
+   instructions and a conversion per 32 weights, and the weights stay the file's; what
+   changes is x, rounded to 8 bits per block. So the logits are not the float32 model's:
+   `rsgl bench quality --modes gguf_a8` measures the KL divergence that costs.
 
    Each (row of x, weight row) is summed in one order whatever the batch (8 lanes over the
-   blocks or pairs of blocks, then a fixed tree; the offsets' terms in four lanes beside, one block each), so a
-   request's logits do not depend on the batch it ran in. */
+   blocks or pairs of blocks, then a fixed tree; the offsets' terms in four lanes beside,
+   one block each), so a request's logits do not depend on the batch it ran in. */
 #include "gguf_blocks.h"
 
 /* Where element i of block b of a quantized row goes. For the 4-bit formats under AVX2 the
-   blocks go in pairs, each pair's 64 bytes as [a 0..15, b 0..15, a 16..31, b 16..31]: one
-   32-byte load of two blocks' nibbles (16 bytes each, element j in the low half and j + 16
-   in the high one) masked gives the first halves of both blocks, shifted and masked their
-   second halves, each beside its 32 bytes of x. A row's odd last block stays in order. */
+   blocks go in pairs, each pair's 64 bytes as [a 0..15, b 0..15, a 16..31, b 16..31]: two
+   blocks' nibbles in one register (16 bytes each, element j in the low half of byte j and
+   j + 16 in the high one; a load and an insert), masked, give the first halves of both
+   blocks, shifted and masked their second halves, each beside its 32 bytes of x. A row's
+   odd last block stays in order. */
 static inline int64_t qx_index(int paired, int64_t nb, int64_t b, int i) {
     if (!paired || (b == nb - 1 && nb % 2)) return b * QK + i;
     return (b & ~(int64_t)1) * QK + (i >= 16) * 32 + (b & 1) * 16 + (i & 15);
@@ -161,10 +162,12 @@ static inline __attribute__((always_inline)) void a8_tile(const int fmt, const u
             for (; k + 1 < c1; k += 2)
                 for (int i = 0; i < W; i++) {
                     __m256i lo, hi;
-                    pair_quants(w + (n + i) * row_bytes + k * block_bytes(fmt) + qoff, block_bytes(fmt), &lo, &hi);
+                    const uint8_t* q = w + (n + i) * row_bytes + k * block_bytes(fmt) + qoff;
+                    pair_quants(q, block_bytes(fmt), &lo, &hi);
                     for (int r = 0; r < R; r++) {
                         const __m256 dot = pair_dot(lo, hi, x->q + (r * nb + k) * QK);
-                        acc[i][r] = _mm256_fmadd_ps(dot, pair_scales(sc[i][r] + 2 * (k - c0)), acc[i][r]);
+                        const __m256 s = pair_scales(sc[i][r] + 2 * (k - c0));
+                        acc[i][r] = _mm256_fmadd_ps(dot, s, acc[i][r]);
                     }
                 }
         for (; k < c1; k++) {

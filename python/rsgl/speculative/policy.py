@@ -79,10 +79,10 @@ DRAFT_MARGIN = 0.05
 # low-bit weights for the dense copy where plain's steps read the low-bit blocks
 # (`low_bit_max_rows`). Such a rung's steps are bound by arithmetic where plain's are bound
 # by memory, so the machine's drift moves the two apart, and what it can save is small: on a
-# 2-core Zen 3 at batch 4 a verify of 4 drafts a request costs 2.6-3.5x a plain step, so
-# even copying (91% of drafts accepted) saves at most ~10% a token, and at concurrency 4 the
-# policy chose such a rung for stretches of 20 steps while it cost 2% more a token than plain
-# (the bench measured speculation 16% slower there).
+# 2-core Zen 3 at batch 4, copying, a verify of up to 4 drafts a request cost 3.1-3.6x a
+# plain step and committed 3.0-3.9 tokens a request (step logs of two runs): 7.70 ms a token
+# against plain's 8.44 in one, 6.49 against 6.37 in the other, where the policy chose it for
+# stretches of 20 steps (the bench measured speculation 16% slower there).
 DENSE_MARGIN = 0.15
 # The share of a group's time that tries of a losing rung may waste.
 EXPLORE_BUDGET = 0.02
@@ -237,15 +237,16 @@ class DraftPolicy:
         return self._try(group, trial, judging=True)
 
     def _group(self, size: int) -> _Group:
-        """The group of batch-size group `size`, made on first use with its margins: a rung
-        whose verify rows (at most size x (1 + drafts)) leave the low-bit weights that plain
-        steps read needs DENSE_MARGIN, the others DRAFT_MARGIN."""
+        """The group of batch-size group `size` (batches size / 2 + 1 .. size), made on first
+        use with its margins: a rung whose verify rows (up to size x (1 + drafts)) leave the
+        low-bit weights that a batch of the group reads on plain steps needs DENSE_MARGIN,
+        the others DRAFT_MARGIN."""
         group = self.groups.get(size)
         if group is None:
             rows = self.low_bit_rows
 
             def dense(rung: int) -> bool:
-                return rows is not None and size <= rows < size * (1 + rung)
+                return rows is not None and size // 2 + 1 <= rows < size * (1 + rung)
 
             margins = {r: DENSE_MARGIN if dense(r) else DRAFT_MARGIN for r in self.rungs}
             group = self.groups[size] = _Group(margins)
