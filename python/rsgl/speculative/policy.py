@@ -118,7 +118,7 @@ class _Group:
     choice (a neighbour's try, not a first measurement) and whether the choice turned during
     it, and which neighbour (above or below) the next try takes."""
 
-    margins: dict[int, float]  # by rung: the share of plain's cost it must save
+    margins: dict[int, float]  # by drafting rung: the share of plain's cost it must save
     seconds: dict[int, _Average] = field(default_factory=dict)
     reach: list[_Average] = field(default_factory=list)
     interval: int = 0
@@ -248,7 +248,7 @@ class DraftPolicy:
             def dense(rung: int) -> bool:
                 return rows is not None and size // 2 + 1 <= rows < size * (1 + rung)
 
-            margins = {r: DENSE_MARGIN if dense(r) else DRAFT_MARGIN for r in self.rungs}
+            margins = {r: DENSE_MARGIN if dense(r) else DRAFT_MARGIN for r in self.rungs[1:]}
             group = self.groups[size] = _Group(margins)
         return group
 
