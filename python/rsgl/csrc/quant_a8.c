@@ -250,7 +250,8 @@ static void qlinear_a8_f32(int fmt, const float* x, int64_t M, int64_t K, const 
     if (!buf) abort();
     float* ds = (float*)buf;
     int8_t* q = (int8_t*)(ds + 2 * M * np);
-    for (int64_t r = 0; r < M; r++) quantize_row(x + r * K, K, A8_PAIRED(fmt), q + r * K, ds + r * 2 * np);
+    for (int64_t r = 0; r < M; r++)
+        quantize_row(x + r * K, K, A8_PAIRED(fmt), q + r * K, ds + r * 2 * np);
     const int64_t row_bytes = nb * block_bytes(fmt), step = a8_weight_rows(M < A8_ROWS ? M : A8_ROWS);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N * M * K >= 65536)
     for (int64_t n = 0; n < N; n += step) {
