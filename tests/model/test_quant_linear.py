@@ -110,8 +110,10 @@ def test_int8_activations_multiply_the_blocks_by_the_quantized_rows(
     bound = 0.5 * steps.reshape(21, cols).double() @ dense.double().abs().T
     assert ((got.double() - exact).abs() <= 1.001 * bound + 1e-6 * cols * magnitudes).all()
     assert not torch.equal(got, kernels.qlinear(x, blocks, fmt))
-    # One order per row whatever the batch (tiles of up to four rows, weight rows in pairs).
-    for start, stop in ((0, 1), (4, 5), (20, 21), (0, 3), (2, 9), (5, 17), (3, 21)):
+    # One order per row whatever the batch: a lone row with four weight rows, tiles of two to
+    # four rows with two, of five to eight with one; 9, 12, 18 and 21 rows in equal tiles.
+    slices = ((0, 1), (4, 5), (20, 21), (0, 3), (0, 5), (1, 9), (2, 9), (0, 9), (5, 17), (3, 21))
+    for start, stop in slices:
         part = kernels.qlinear(x[start:stop].contiguous(), blocks, fmt, int8_activations=True)
         assert torch.equal(part, got[start:stop]), (start, stop)
     half = kernels.qlinear(x.bfloat16(), blocks, fmt, int8_activations=True)

@@ -66,8 +66,8 @@ typedef struct {
 } QRows;
 
 /* Weight rows taken together per tile height: a lone row of x takes four (more loads of x
-   shared, fewer row setups), taller tiles two. */
-static inline int64_t a8_weight_rows(int64_t R) { return R == 1 ? 4 : 2; }
+   shared, fewer row setups), up to 4 rows two, taller tiles one (8 sums a tile). */
+static inline int64_t a8_weight_rows(int64_t R) { return R == 1 ? 4 : R <= 4 ? 2 : 1; }
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 /* Whether x's blocks go in pairs (qx_index) for weights of format fmt. */
@@ -133,18 +133,18 @@ static inline __m256 pair_products(int fmt, __m256 w, const float* ds) {
 }
 
 /* Rows x[0 .. R) times weight rows n .. n + W - 1 (R * W <= 8, constants in each inlined
-   copy), into y[r * N + n + i]. A chunk of blocks first gets every (weight row, x row)'s
+   copy), into y[r * N + n + i]: each weight pair's quants unpacked once for the R rows. A chunk of blocks first gets every (weight row, x row)'s
    block scales and offset terms, four blocks a multiply; the block loop is then the integer
    dot and one multiply-add. */
 static inline __attribute__((always_inline)) void a8_tile(const int fmt, const uint8_t* w,
                                                           int64_t row_bytes, int64_t n,
                                                           const QRows* x, const int R,
                                                           const int W, float* y, int64_t N) {
-    __m256 acc[4][4], offs[4][4];
-    for (int i = 0; i < W; i++)
-        for (int r = 0; r < R; r++) acc[i][r] = offs[i][r] = _mm256_setzero_ps();
+    /* (weight row i, row r)'s sums at [i * R + r] */
+    __m256 acc[8], offs[8];
+    for (int t = 0; t < R * W; t++) acc[t] = offs[t] = _mm256_setzero_ps();
     const int64_t nb = x->K / QK, np = pair_blocks(nb), qoff = fmt == Q4_1 ? 4 : 2;
-    float sc[4][4][2 * HEADER_CHUNK];
+    float sc[8][2 * HEADER_CHUNK];
     for (int64_t c0 = 0; c0 < nb; c0 += HEADER_CHUNK) {
         const int64_t c1 = c0 + HEADER_CHUNK < nb ? c0 + HEADER_CHUNK : nb;
         for (int i = 0; i < W; i++)
@@ -153,8 +153,8 @@ static inline __attribute__((always_inline)) void a8_tile(const int fmt, const u
                 const __m256 h = header_pairs(fmt, b, c1 - c0 - j);
                 for (int r = 0; r < R; r++) {
                     const __m256 p = pair_products(fmt, h, x->ds + r * 2 * np + 2 * (c0 + j));
-                    _mm256_storeu_ps(sc[i][r] + 2 * j, p);
-                    offs[i][r] = _mm256_add_ps(offs[i][r], p);
+                    _mm256_storeu_ps(sc[i * R + r] + 2 * j, p);
+                    offs[i * R + r] = _mm256_add_ps(offs[i * R + r], p);
                 }
             }
         int64_t k = c0; /* even: HEADER_CHUNK is */
@@ -166,16 +166,17 @@ static inline __attribute__((always_inline)) void a8_tile(const int fmt, const u
                     pair_quants(q, block_bytes(fmt), &lo, &hi);
                     for (int r = 0; r < R; r++) {
                         const __m256 dot = pair_dot(lo, hi, x->q + (r * nb + k) * QK);
-                        const __m256 s = pair_scales(sc[i][r] + 2 * (k - c0));
-                        acc[i][r] = _mm256_fmadd_ps(dot, s, acc[i][r]);
+                        const __m256 s = pair_scales(sc[i * R + r] + 2 * (k - c0));
+                        acc[i * R + r] = _mm256_fmadd_ps(dot, s, acc[i * R + r]);
                     }
                 }
         for (; k < c1; k++) {
             for (int i = 0; i < W; i++) {
                 const __m256i wq = block_quants(fmt, w + (n + i) * row_bytes + k * block_bytes(fmt) + qoff);
                 for (int r = 0; r < R; r++) {
-                    const __m256 s = _mm256_broadcast_ss(sc[i][r] + 2 * (k - c0));
-                    acc[i][r] = _mm256_fmadd_ps(block_dot(fmt, wq, x->q + (r * nb + k) * QK), s, acc[i][r]);
+                    const __m256 s = _mm256_broadcast_ss(sc[i * R + r] + 2 * (k - c0));
+                    const __m256 dot = block_dot(fmt, wq, x->q + (r * nb + k) * QK);
+                    acc[i * R + r] = _mm256_fmadd_ps(dot, s, acc[i * R + r]);
                 }
             }
         }
@@ -183,8 +184,9 @@ static inline __attribute__((always_inline)) void a8_tile(const int fmt, const u
     const __m256 zero = _mm256_setzero_ps();
     for (int i = 0; i < W; i++)
         for (int r = 0; r < R; r++) {
-            const float off = fmt == Q8_0 ? 0.f : hsum_lanes(_mm256_blend_ps(zero, offs[i][r], 0xaa));
-            y[r * N + n + i] = hsum_lanes(acc[i][r]) + off;
+            const __m256 o = _mm256_blend_ps(zero, offs[i * R + r], 0xaa);
+            const float off = fmt == Q8_0 ? 0.f : hsum_lanes(o);
+            y[r * N + n + i] = hsum_lanes(acc[i * R + r]) + off;
         }
 }
 
@@ -206,7 +208,11 @@ static inline __attribute__((always_inline)) void a8_rows(const int fmt, const u
     switch (R) {
         case 2: W == 1 ? A8_TILE(2, 1) : A8_TILE(2, 2); break;
         case 3: W == 1 ? A8_TILE(3, 1) : A8_TILE(3, 2); break;
-        default: W == 1 ? A8_TILE(4, 1) : A8_TILE(4, 2); break;
+        case 4: W == 1 ? A8_TILE(4, 1) : A8_TILE(4, 2); break;
+        case 5: A8_TILE(5, 1); break;
+        case 6: A8_TILE(6, 1); break;
+        case 7: A8_TILE(7, 1); break;
+        default: A8_TILE(8, 1); break;
     }
 #undef A8_TILE
 }
@@ -240,8 +246,8 @@ static inline void a8_rows(const int fmt, const uint8_t* w, int64_t row_bytes, i
 }
 #endif
 
-/* Rows of x handled together: each weight row is read once per this many rows. */
-#define A8_ROWS 4
+/* Rows of x handled together at most: each weight row is read once per tile of rows. */
+#define A8_ROWS 8
 
 static void qlinear_a8_f32(int fmt, const float* x, int64_t M, int64_t K, const uint8_t* w,
                            int64_t N, float* y, int threads) {
@@ -252,13 +258,16 @@ static void qlinear_a8_f32(int fmt, const float* x, int64_t M, int64_t K, const 
     int8_t* q = (int8_t*)(ds + 2 * M * np);
     for (int64_t r = 0; r < M; r++)
         quantize_row(x + r * K, K, A8_PAIRED(fmt), q + r * K, ds + r * 2 * np);
-    const int64_t row_bytes = nb * block_bytes(fmt), step = a8_weight_rows(M < A8_ROWS ? M : A8_ROWS);
+    /* Tiles of equal height (9 rows: 5 and 4, not 8 and a lone row that pays for a whole
+       pass over the weights). */
+    const int64_t tiles = (M + A8_ROWS - 1) / A8_ROWS, height = (M + tiles - 1) / tiles;
+    const int64_t row_bytes = nb * block_bytes(fmt), step = a8_weight_rows(height);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N * M * K >= 65536)
     for (int64_t n = 0; n < N; n += step) {
         /* Weight rows are short and streamed from memory: ask for the rows 8 ahead. */
         prefetch_bytes(w + (n + 8) * row_bytes, step * row_bytes);
-        for (int64_t r = 0; r < M; r += A8_ROWS) {
-            const int64_t R = M - r < A8_ROWS ? M - r : A8_ROWS;
+        for (int64_t r = 0; r < M; r += height) {
+            const int64_t R = M - r < height ? M - r : height;
             const QRows rows = {q + r * K, ds + r * 2 * np, K};
             const int64_t end = n + step < N ? n + step : N;
             for (int64_t j = n, W; j < end; j += W) {
