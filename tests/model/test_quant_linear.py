@@ -5,6 +5,7 @@ dequantized model's greedy tokens."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -426,3 +427,56 @@ def test_a_k_quant_file_serves_its_super_blocks_with_the_dequantized_models_toke
             outputs[mode] = [o["output_ids"] for o in llm.generate(prompts, params)]
             llm.check_integrity()
     assert outputs["gguf"] == outputs["none"]
+
+
+@pytest.mark.parametrize("qtype", list(K_QUANT_LAYOUTS))
+@pytest.mark.parametrize("k", [768, 256 * 9])
+def test_k_quant_groups_multiply_int8_activations(
+    kernels: CpuKernels, qtype: GGMLQuantizationType, k: int
+) -> None:
+    # 256 * 9: 72 blocks a row, past one chunk of 64 blocks' scales.
+    read, size, header, _ = K_QUANT_LAYOUTS[qtype]
+    rng = np.random.default_rng(int(qtype) + k)
+    rows = 11
+    raw = rng.integers(0, 256, (rows, k // 256, size), dtype=np.uint8)
+    halves = rng.uniform(-0.02, 0.02, (rows, k // 256, (header.stop - header.start) // 2))
+    raw[..., header] = halves.astype(np.float16).view(np.uint8)
+    exact = read(kernels, raw.reshape(rows, -1))
+    weight = dataclasses.replace(exact, int8_activations=True)
+    dense = weight.rows(torch.arange(rows))
+    x = torch.randn(21, k, generator=torch.Generator().manual_seed(9))
+    x[3, :32] = 0.0  # an all-zero block: scale 0
+    x[4, 40] = 1e4  # one block dominated by one value
+    got = weight.matmul(x)
+    # The groups' weights times the quantized rows, up to float32 summation error, which is
+    # not the float product.
+    quantized = _quantized_rows(x).double()
+    reference = quantized @ dense.double().T
+    magnitudes = quantized.abs() @ dense.double().abs().T
+    assert ((got.double() - reference).abs() <= 1e-6 * k * magnitudes + 1e-30).all()
+    assert not torch.equal(got, exact.matmul(x))
+    # One order per row whatever the batch (as for GGUF blocks' int8 activations).
+    for start, stop in ((0, 1), (20, 21), (0, 3), (0, 5), (1, 9), (0, 9), (3, 21)):
+        part = weight.matmul(x[start:stop].contiguous())
+        assert torch.equal(part, got[start:stop]), (start, stop)
+    half = weight.matmul(x.bfloat16())
+    assert torch.equal(half, weight.matmul(x.bfloat16().float()).bfloat16())
+
+
+def test_gguf_a8_reads_a_k_quant_files_groups_with_int8_activations(
+    k_quant_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RSGL_CACHE_DIR", str(k_quant_model.parent / "cache"))
+    loaded = load_model(
+        str(k_quant_model), dtype=torch.float32, pack_weights=False, quantization="gguf_a8"
+    )
+    assert loaded.quantization == "gguf_a8"
+    x = torch.randn(2, 1536, generator=torch.Generator().manual_seed(11))
+    for i in (3, 4, 5):  # Q4_K, Q5_K, Q6_K
+        down = loaded.model.layers[i].mlp.down_proj
+        assert isinstance(down, QuantLinear) and isinstance(down.weight, GroupQuantized)
+        assert down.weight.int8_activations
+        dense = down.weight.rows(torch.arange(576)).double()
+        reference = _quantized_rows(x).double() @ dense.T
+        bound = 1e-6 * 1536 * (_quantized_rows(x).double().abs() @ dense.abs().T)
+        assert ((down(x).double() - reference).abs() <= bound).all()

@@ -15,6 +15,12 @@
    changes is x, rounded to 8 bits per block. So the logits are not the float32 model's:
    `rsgl bench quality --modes gguf_a8` measures the KL divergence that costs.
 
+   GGUF's K-quants, read at load time as groups (quant.c's I4 for Q4_K, I8H for Q6_K, I8M
+   for Q5_K; rsgl/models/gguf_weights.py), are multiplied the same way: their quants are
+   the file's (4 bits, or 5 and 6 bits held in bytes), each group's scale (and minimum) a
+   float32 from their arrays instead of a block header; Q6_K's two scales a block of 32 each
+   take the half of the block's 8 lanes that sums their 16 weights.
+
    Each (row of x, weight row) is summed in one order whatever the batch (8 lanes over the
    blocks or pairs of blocks, then a fixed tree; the offsets' terms in four lanes beside,
    one block each), so a request's logits do not depend on the batch it ran in. */
@@ -65,31 +71,66 @@ typedef struct {
     int64_t K;
 } QRows;
 
+/* A weight matrix: N rows of row_bytes (GGUF blocks, or a load-time format's quants), and
+   for the load-time formats a float32 scale (and minimum) per `per` blocks (I8H: two scales
+   a block), `groups` per row. */
+typedef struct {
+    const uint8_t* w;
+    int64_t row_bytes;
+    const float* scales;
+    const float* mins;
+    int64_t per;
+    int64_t groups;
+} A8Mat;
+
+/* Where a block's quants start (after a GGUF header), and whether they are signed bytes. */
+static inline int64_t quants_offset(int fmt) {
+    return fmt == Q4_1 ? 4 : fmt == Q4_0 || fmt == Q8_0 ? 2 : 0;
+}
+static inline int signed_quants(int fmt) { return fmt == Q8_0 || fmt == I8 || fmt == I8H; }
+
+/* Whether a block's weights have an offset m (w = d * q + m), summed as m * sx. */
+static inline int has_offset(int fmt) { return fmt != Q8_0 && fmt != I8 && fmt != I8H; }
+
+/* Block k of weight row n's scale and offset (I8H: its two scales) from a load-time
+   format's arrays. */
+static inline void group_params(int fmt, const A8Mat* a, int64_t n, int64_t k, float* d,
+                                float* m) {
+    if (fmt == I8H) {
+        const float* s = a->scales + n * a->groups + 2 * k;
+        *d = s[0], *m = s[1];
+        return;
+    }
+    const int64_t g = n * a->groups + k / a->per;
+    *d = a->scales[g];
+    *m = a->mins ? a->mins[g] : 0.f;
+}
+
 /* Weight rows taken together per tile height: a lone row of x takes four (more loads of x
    shared, fewer row setups), up to 4 rows two, taller tiles one (8 sums a tile). */
 static inline int64_t a8_weight_rows(int64_t R) { return R == 1 ? 4 : R <= 4 ? 2 : 1; }
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-/* Whether x's blocks go in pairs (qx_index) for weights of format fmt. */
-#define A8_PAIRED(fmt) ((fmt) != Q8_0)
+/* Whether x's blocks go in pairs (qx_index) for weights of format fmt: the nibble formats. */
+#define A8_PAIRED(fmt) ((fmt) == Q4_0 || (fmt) == Q4_1 || (fmt) == I4)
 
-/* A weight block's 32 quants as bytes in element order, and (Q8_0) its signs. Nibble byte
-   j holds element j (low half) and j + 16 (high half): the 16 bytes broadcast to both
-   halves, the high half shifted down 4, then masked. */
+/* A weight block's 32 quants as bytes in element order, and (signed formats) their signs.
+   Nibble byte j holds element j (low half) and j + 16 (high half): the 16 bytes broadcast
+   to both halves, the high half shifted down 4, then masked. */
 static inline __m256i block_quants(int fmt, const uint8_t* q) {
-    if (fmt == Q8_0) return _mm256_loadu_si256((const __m256i*)q);
+    if (!A8_PAIRED(fmt)) return _mm256_loadu_si256((const __m256i*)q);
     const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)q));
     const __m256i shifted = _mm256_blend_epi32(both, _mm256_srli_epi16(both, 4), 0xf0);
     return _mm256_and_si256(shifted, _mm256_set1_epi8(15));
 }
 
-/* sum(q * qx) of one block in 8 int32 lanes, as floats. maddubs multiplies unsigned bytes by
-   signed ones: nibbles are unsigned as they are; Q8_0's signed quants give their magnitudes
-   and their signs move onto qx (|qx| <= 127, so no product saturates: 2 * 15 * 127 and
-   2 * 128 * 127 fit in 16 bits). */
+/* sum(q * qx) of one block in 8 int32 lanes (lanes 0..3: elements 0..15), as floats.
+   maddubs multiplies unsigned bytes by signed ones: nibbles and Q5_K's 5-bit quants are
+   unsigned as they are; signed quants give their magnitudes and their signs move onto qx
+   (|qx| <= 127, so no product saturates: 2 * 31 * 127 and 2 * 128 * 127 fit in 16 bits). */
 static inline __m256 block_dot(int fmt, __m256i wq, const int8_t* qx) {
     __m256i a = _mm256_loadu_si256((const __m256i*)qx);
-    if (fmt == Q8_0) {
+    if (signed_quants(fmt)) {
         a = _mm256_sign_epi8(a, wq);
         wq = _mm256_abs_epi8(wq);
     }
@@ -125,32 +166,62 @@ static inline __m256 pair_scales(const float* sc) {
 }
 
 /* Four blocks' (d, m) pairs times x's (dx, sx) pairs: each block's scale d * dx in the even
-   lanes, its offset term m * sx in the odd ones (Q4_0's m is -8d). */
+   lanes, its offset term m * sx in the odd ones (Q4_0's m is -8d). I8H's pairs are a block's
+   two scales, each times dx. */
 static inline __m256 pair_products(int fmt, __m256 w, const float* ds) {
     if (fmt == Q4_0)
         w = _mm256_mul_ps(_mm256_moveldup_ps(w), _mm256_setr_ps(1, -8, 1, -8, 1, -8, 1, -8));
-    return _mm256_mul_ps(w, _mm256_loadu_ps(ds));
+    const __m256 x = _mm256_loadu_ps(ds);
+    return _mm256_mul_ps(w, fmt == I8H ? _mm256_moveldup_ps(x) : x);
+}
+
+/* The (d, m) pairs of blocks k .. k + 3 of weight row n (fewer at the row's end, the rest
+   0): GGUF's from their headers, the load-time formats' from their arrays. */
+static inline __m256 block_pairs(int fmt, const A8Mat* a, int64_t n, int64_t k, int64_t count) {
+    if (!load_time(fmt))
+        return header_pairs(fmt, a->w + n * a->row_bytes + k * block_bytes(fmt), count);
+    if (count >= 4 && fmt == I8H)
+        return _mm256_loadu_ps(a->scales + n * a->groups + 2 * k);
+    if (count >= 4 && a->per == 1) {
+        const __m128 d = _mm_loadu_ps(a->scales + n * a->groups + k);
+        const __m128 m = a->mins ? _mm_loadu_ps(a->mins + n * a->groups + k) : _mm_setzero_ps();
+        return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_unpacklo_ps(d, m)),
+                                    _mm_unpackhi_ps(d, m), 1);
+    }
+    float p[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t i = 0; i < count && i < 4; i++) group_params(fmt, a, n, k + i, p + 2 * i, p + 2 * i + 1);
+    return _mm256_setr_ps(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]);
+}
+
+/* A single block's scale for its 8 lanes (sc: its pair): d * dx in all, or I8H's two scales,
+   one for each half. */
+static inline __m256 block_scale(int fmt, const float* sc) {
+    if (fmt != I8H) return _mm256_broadcast_ss(sc);
+    const __m128 two = _mm_castpd_ps(_mm_load_sd((const double*)sc));
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two),
+                                    _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
 }
 
 /* Rows x[0 .. R) times weight rows n .. n + W - 1 (R * W <= 8, constants in each inlined
    copy), into y[r * N + n + i]: each weight pair's quants unpacked once for the R rows. A chunk of blocks first gets every (weight row, x row)'s
    block scales and offset terms, four blocks a multiply; the block loop is then the integer
    dot and one multiply-add. */
-static inline __attribute__((always_inline)) void a8_tile(const int fmt, const uint8_t* w,
-                                                          int64_t row_bytes, int64_t n,
-                                                          const QRows* x, const int R,
-                                                          const int W, float* y, int64_t N) {
+static inline __attribute__((always_inline)) void a8_tile(const int fmt, const A8Mat* a,
+                                                          int64_t n, const QRows* x,
+                                                          const int R, const int W, float* y,
+                                                          int64_t N) {
+    const uint8_t* w = a->w;
+    const int64_t row_bytes = a->row_bytes;
     /* (weight row i, row r)'s sums at [i * R + r] */
     __m256 acc[8], offs[8];
     for (int t = 0; t < R * W; t++) acc[t] = offs[t] = _mm256_setzero_ps();
-    const int64_t nb = x->K / QK, np = pair_blocks(nb), qoff = fmt == Q4_1 ? 4 : 2;
+    const int64_t nb = x->K / QK, np = pair_blocks(nb), qoff = quants_offset(fmt);
     float sc[8][2 * HEADER_CHUNK];
     for (int64_t c0 = 0; c0 < nb; c0 += HEADER_CHUNK) {
         const int64_t c1 = c0 + HEADER_CHUNK < nb ? c0 + HEADER_CHUNK : nb;
         for (int i = 0; i < W; i++)
             for (int64_t j = 0; j < c1 - c0; j += 4) {
-                const uint8_t* b = w + (n + i) * row_bytes + (c0 + j) * block_bytes(fmt);
-                const __m256 h = header_pairs(fmt, b, c1 - c0 - j);
+                const __m256 h = block_pairs(fmt, a, n + i, c0 + j, c1 - c0 - j);
                 for (int r = 0; r < R; r++) {
                     const __m256 p = pair_products(fmt, h, x->ds + r * 2 * np + 2 * (c0 + j));
                     _mm256_storeu_ps(sc[i * R + r] + 2 * j, p);
@@ -174,7 +245,7 @@ static inline __attribute__((always_inline)) void a8_tile(const int fmt, const u
             for (int i = 0; i < W; i++) {
                 const __m256i wq = block_quants(fmt, w + (n + i) * row_bytes + k * block_bytes(fmt) + qoff);
                 for (int r = 0; r < R; r++) {
-                    const __m256 s = _mm256_broadcast_ss(sc[i * R + r] + 2 * (k - c0));
+                    const __m256 s = block_scale(fmt, sc[i * R + r] + 2 * (k - c0));
                     const __m256 dot = block_dot(fmt, wq, x->q + (r * nb + k) * QK);
                     acc[i * R + r] = _mm256_fmadd_ps(dot, s, acc[i * R + r]);
                 }
@@ -185,17 +256,16 @@ static inline __attribute__((always_inline)) void a8_tile(const int fmt, const u
     for (int i = 0; i < W; i++)
         for (int r = 0; r < R; r++) {
             const __m256 o = _mm256_blend_ps(zero, offs[i * R + r], 0xaa);
-            const float off = fmt == Q8_0 ? 0.f : hsum_lanes(o);
+            const float off = has_offset(fmt) ? hsum_lanes(o) : 0.f;
             y[r * N + n + i] = hsum_lanes(acc[i * R + r]) + off;
         }
 }
 
 /* One instance per tile shape: rows r .. r + R of x against weight rows n .. n + W - 1. */
-static inline __attribute__((always_inline)) void a8_rows(const int fmt, const uint8_t* w,
-                                                          int64_t row_bytes, int64_t n,
-                                                          const QRows* x, int64_t R,
+static inline __attribute__((always_inline)) void a8_rows(const int fmt, const A8Mat* a,
+                                                          int64_t n, const QRows* x, int64_t R,
                                                           int64_t W, float* y, int64_t N) {
-#define A8_TILE(r, c) a8_tile(fmt, w, row_bytes, n, x, r, c, y, N)
+#define A8_TILE(r, c) a8_tile(fmt, a, n, x, r, c, y, N)
     if (R == 1) {
         switch (W) {
             case 1: A8_TILE(1, 1); break;
@@ -220,26 +290,35 @@ static inline __attribute__((always_inline)) void a8_rows(const int fmt, const u
 #define A8_PAIRED(fmt) 0
 
 /* The same sums in plain C: per block an exact integer dot, scaled as above. */
-static inline void a8_rows(const int fmt, const uint8_t* w, int64_t row_bytes, int64_t n,
-                           const QRows* x, int64_t R, int64_t W, float* y, int64_t N) {
-    const int64_t nb = x->K / QK, np = pair_blocks(nb), qoff = fmt == Q4_1 ? 4 : 2;
+static inline void a8_rows(const int fmt, const A8Mat* a, int64_t n, const QRows* x, int64_t R,
+                           int64_t W, float* y, int64_t N) {
+    const int64_t nb = x->K / QK, np = pair_blocks(nb), qoff = quants_offset(fmt);
+    const int nibbles = fmt == Q4_0 || fmt == Q4_1 || fmt == I4;
     for (int64_t i = 0; i < W; i++)
         for (int64_t r = 0; r < R; r++) {
             float acc = 0.f, off = 0.f;
             for (int64_t k = 0; k < nb; k++) {
-                const uint8_t* b = w + (n + i) * row_bytes + k * block_bytes(fmt);
-                const float d = f16_to_f32(load_u16(b));
-                const float m = fmt == Q4_1 ? f16_to_f32(load_u16(b + 2)) : -8.f * d;
+                const uint8_t* b = a->w + (n + i) * a->row_bytes + k * block_bytes(fmt);
+                float d, m;
+                if (load_time(fmt)) {
+                    group_params(fmt, a, n + i, k, &d, &m);
+                } else {
+                    d = f16_to_f32(load_u16(b));
+                    m = fmt == Q4_1 ? f16_to_f32(load_u16(b + 2)) : -8.f * d;
+                }
                 const uint8_t* q = b + qoff;
                 const int8_t* qx = x->q + (r * nb + k) * QK;
                 const float* ds = x->ds + r * 2 * np + 2 * k;
-                int32_t dot = 0;
+                int32_t dot = 0, hi = 0; /* hi: I8H's second 16 */
                 for (int j = 0; j < QK; j++) {
-                    const int wq = fmt == Q8_0 ? (int8_t)q[j] : j < 16 ? q[j] & 15 : q[j - 16] >> 4;
-                    dot += wq * qx[j];
+                    const int wq = nibbles ? (j < 16 ? q[j] & 15 : q[j - 16] >> 4)
+                                   : signed_quants(fmt) ? (int8_t)q[j] : q[j];
+                    if (fmt == I8H && j >= 16) hi += wq * qx[j];
+                    else dot += wq * qx[j];
                 }
-                acc += (float)dot * (d * ds[0]);
-                if (fmt != Q8_0) off += m * ds[1];
+                if (fmt == I8H) acc += (float)dot * (d * ds[0]) + (float)hi * (m * ds[0]);
+                else acc += (float)dot * (d * ds[0]);
+                if (has_offset(fmt)) off += m * ds[1];
             }
             y[r * N + n + i] = acc + off;
         }
@@ -249,7 +328,7 @@ static inline void a8_rows(const int fmt, const uint8_t* w, int64_t row_bytes, i
 /* Rows of x handled together at most: each weight row is read once per tile of rows. */
 #define A8_ROWS 8
 
-static void qlinear_a8_f32(int fmt, const float* x, int64_t M, int64_t K, const uint8_t* w,
+static void qlinear_a8_f32(int fmt, const A8Mat* a, const float* x, int64_t M, int64_t K,
                            int64_t N, float* y, int threads) {
     const int64_t nb = K / QK, np = pair_blocks(nb);
     char* buf = (char*)calloc((size_t)(M * K + 2 * M * np * (int64_t)sizeof(float)), 1);
@@ -261,11 +340,16 @@ static void qlinear_a8_f32(int fmt, const float* x, int64_t M, int64_t K, const 
     /* Tiles of equal height (9 rows: 5 and 4, not 8 and a lone row that pays for a whole
        pass over the weights). */
     const int64_t tiles = (M + A8_ROWS - 1) / A8_ROWS, height = (M + tiles - 1) / tiles;
-    const int64_t row_bytes = nb * block_bytes(fmt), step = a8_weight_rows(height);
+    const int64_t row_bytes = a->row_bytes, step = a8_weight_rows(height);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N * M * K >= 65536)
     for (int64_t n = 0; n < N; n += step) {
         /* Weight rows are short and streamed from memory: ask for the rows 8 ahead. */
-        prefetch_bytes(w + (n + 8) * row_bytes, step * row_bytes);
+        prefetch_bytes(a->w + (n + 8) * row_bytes, step * row_bytes);
+        if (a->scales) { /* a load-time format's scales and minimums are rows of their own */
+            const int64_t bytes = step * a->groups * (int64_t)sizeof(float);
+            prefetch_bytes(a->scales + (n + 8) * a->groups, bytes);
+            if (a->mins) prefetch_bytes(a->mins + (n + 8) * a->groups, bytes);
+        }
         for (int64_t r = 0; r < M; r += height) {
             const int64_t R = M - r < height ? M - r : height;
             const QRows rows = {q + r * K, ds + r * 2 * np, K};
@@ -274,9 +358,13 @@ static void qlinear_a8_f32(int fmt, const float* x, int64_t M, int64_t K, const 
                 W = end - j < a8_weight_rows(R) ? end - j : a8_weight_rows(R);
                 /* One instance per format, so each inner loop knows its block layout. */
                 switch (fmt) {
-                    case Q4_0: a8_rows(Q4_0, w, row_bytes, j, &rows, R, W, y + r * N, N); break;
-                    case Q4_1: a8_rows(Q4_1, w, row_bytes, j, &rows, R, W, y + r * N, N); break;
-                    default: a8_rows(Q8_0, w, row_bytes, j, &rows, R, W, y + r * N, N); break;
+                    case Q4_0: a8_rows(Q4_0, a, j, &rows, R, W, y + r * N, N); break;
+                    case Q4_1: a8_rows(Q4_1, a, j, &rows, R, W, y + r * N, N); break;
+                    case Q8_0: a8_rows(Q8_0, a, j, &rows, R, W, y + r * N, N); break;
+                    case I4: a8_rows(I4, a, j, &rows, R, W, y + r * N, N); break;
+                    case I8: a8_rows(I8, a, j, &rows, R, W, y + r * N, N); break;
+                    case I8H: a8_rows(I8H, a, j, &rows, R, W, y + r * N, N); break;
+                    default: a8_rows(I8M, a, j, &rows, R, W, y + r * N, N); break;
                 }
             }
         }
@@ -284,13 +372,13 @@ static void qlinear_a8_f32(int fmt, const float* x, int64_t M, int64_t K, const 
     free(buf);
 }
 
-static void qlinear_a8_bf16(int fmt, const uint16_t* x, int64_t M, int64_t K, const uint8_t* w,
+static void qlinear_a8_bf16(int fmt, const A8Mat* a, const uint16_t* x, int64_t M, int64_t K,
                             int64_t N, uint16_t* y, int threads) {
     float* xf = (float*)malloc((size_t)(M * K + M * N) * sizeof(float));
     if (!xf) abort();
     float* yf = xf + M * K;
     widen_bf16(x, xf, M * K);
-    qlinear_a8_f32(fmt, xf, M, K, w, N, yf, threads);
+    qlinear_a8_f32(fmt, a, xf, M, K, N, yf, threads);
     for (int64_t i = 0; i < M * N; i++) bf16_store(y, i, yf[i]);
     free(xf);
 }
@@ -298,13 +386,41 @@ static void qlinear_a8_bf16(int fmt, const uint16_t* x, int64_t M, int64_t K, co
 #define A8_FORMAT(name, fmt)                                                                   \
     void rsgl_qlinear_##name##_a8_f32(const float* x, int64_t M, int64_t K, const uint8_t* w, \
                                       int64_t N, float* y, int threads) {                      \
-        qlinear_a8_f32(fmt, x, M, K, w, N, y, threads);                                        \
+        const A8Mat a = {w, K / QK * block_bytes(fmt), NULL, NULL, 1, 0};                      \
+        qlinear_a8_f32(fmt, &a, x, M, K, N, y, threads);                                       \
     }                                                                                          \
     void rsgl_qlinear_##name##_a8_bf16(const uint16_t* x, int64_t M, int64_t K,                \
                                        const uint8_t* w, int64_t N, uint16_t* y, int threads) { \
-        qlinear_a8_bf16(fmt, x, M, K, w, N, y, threads);                                       \
+        const A8Mat a = {w, K / QK * block_bytes(fmt), NULL, NULL, 1, 0};                      \
+        qlinear_a8_bf16(fmt, &a, x, M, K, N, y, threads);                                      \
     }
 
 A8_FORMAT(q4_0, Q4_0)
 A8_FORMAT(q4_1, Q4_1)
 A8_FORMAT(q8_0, Q8_0)
+
+/* The load-time formats (quant.c's group_mat): `bits` 4 (I4, with mins) or 8 (I8; I8H for
+   groups of 16; I8M with mins); `group` weights per scale, a multiple of 32 (16: I8H). */
+static A8Mat a8_group_mat(int bits, const uint8_t* w, const float* scales, const float* mins,
+                          int64_t K, int64_t group, int* fmt) {
+    *fmt = bits == 4 ? I4 : mins ? I8M : group == QK / 2 ? I8H : I8;
+    const A8Mat a = {w, K / QK * block_bytes(*fmt), scales, mins,
+                     *fmt == I8H ? 1 : group / QK, K / group};
+    return a;
+}
+
+void rsgl_qlinear_group_a8_f32(int bits, const float* x, int64_t M, int64_t K, const uint8_t* w,
+                               const float* scales, const float* mins, int64_t group, int64_t N,
+                               float* y, int threads) {
+    int fmt;
+    const A8Mat a = a8_group_mat(bits, w, scales, mins, K, group, &fmt);
+    qlinear_a8_f32(fmt, &a, x, M, K, N, y, threads);
+}
+
+void rsgl_qlinear_group_a8_bf16(int bits, const uint16_t* x, int64_t M, int64_t K,
+                                const uint8_t* w, const float* scales, const float* mins,
+                                int64_t group, int64_t N, uint16_t* y, int threads) {
+    int fmt;
+    const A8Mat a = a8_group_mat(bits, w, scales, mins, K, group, &fmt);
+    qlinear_a8_bf16(fmt, &a, x, M, K, N, y, threads);
+}

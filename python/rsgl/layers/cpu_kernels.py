@@ -249,12 +249,14 @@ class CpuKernels:
                     self._qlinear[fmt, act, a8] = qlinear
             self._dequant_rows[fmt] = getattr(lib, f"rsgl_dequant_rows_{name}")
             self._dequant_rows[fmt].argtypes = [ptr, i64, ptr, i64, ptr]
-        # Weights quantized at load time: one entry per activation dtype, the bits an argument.
-        self._qlinear_group: dict[torch.dtype, Any] = {}
+        # Weights quantized at load time: one entry per activation dtype and int8 activations
+        # or not, the bits an argument.
+        self._qlinear_group: dict[tuple[torch.dtype, bool], Any] = {}
         for act, suffix in _ACT_SUFFIXES.items():
-            group = getattr(lib, f"rsgl_qlinear_group_{suffix}")
-            group.argtypes = [i32, ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i32]
-            self._qlinear_group[act] = group
+            for a8, infix in ((False, ""), (True, "_a8")):
+                group = getattr(lib, f"rsgl_qlinear_group{infix}_{suffix}")
+                group.argtypes = [i32, ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i32]
+                self._qlinear_group[act, a8] = group
         self._dequant_rows_group = lib.rsgl_dequant_rows_group
         self._dequant_rows_group.argtypes = [i32, ptr, ptr, ptr, i64, i64, ptr, i64, ptr]
         self._bitmask = lib.rsgl_apply_token_bitmask_f32
@@ -300,7 +302,7 @@ class CpuKernels:
         """The projection kernel over GGUF blocks of `fmt` (None: over load-time groups),
         exact or with `int8_activations`."""
         if fmt is None:
-            return _address(self._qlinear_group[act])
+            return _address(self._qlinear_group[act, int8_activations])
         return _address(self._qlinear[fmt, act, int8_activations])
 
     def decode_stack(
@@ -566,18 +568,20 @@ class CpuKernels:
         scales: torch.Tensor,
         mins: torch.Tensor | None,
         group: int,
+        int8_activations: bool = False,
     ) -> torch.Tensor:
         """x [M, K] (float32 or bfloat16) times W^T for W quantized at load time
         (`rsgl.layers.quant_linear.GroupQuantized`): q uint8 [N, K] (`bits` 8: int8 bytes,
         w = s * q, or s * q + m with `mins`) or [N, K / 2] (4: nibbles, w = s * q + m),
-        float32 scales (and mins) [N, K / group]. Returns [M, N]."""
+        float32 scales (and mins) [N, K / group]. Returns [M, N]. `int8_activations`: x
+        quantized to int8 per block of 32 first (quant_a8.c), as for GGUF blocks."""
         act = _check(x)
         rows, k = _check_groups(bits, q, scales, mins, group)
         if x.dim() != 2 or x.shape[1] != k:
             raise ValueError(f"qlinear_group: x must be [M, {k}]")
         out = torch.empty((x.shape[0], rows), dtype=x.dtype)
         if x.shape[0]:
-            self._qlinear_group[act](
+            self._qlinear_group[act, int8_activations](
                 bits,
                 x.data_ptr(),
                 x.shape[0],

@@ -180,7 +180,7 @@ class DecodeStack:
             fn = self.kernels.qlinear_address(weight.fmt, self.act, weight.int8_activations)
             return _Proj(fn, None, self._hold(weight.data), None, None, k, n, k, 0)
         assert isinstance(weight, GroupQuantized)
-        fn = self.kernels.qlinear_address(None, self.act)
+        fn = self.kernels.qlinear_address(None, self.act, weight.int8_activations)
         mins = None if weight.mins is None else self._hold(weight.mins)
         w, scales = self._hold(weight.q), self._hold(weight.scales)
         return _Proj(None, fn, w, scales, mins, weight.group, n, k, weight.bits)

@@ -94,7 +94,8 @@ class GroupQuantized:
     m, q in 0..15, two per byte in GGUF's nibble order within each 32), a float32 scale (and
     for 4 bits a minimum) per `group` weights of a row ([rows, K / group]). GGUF's K-quants
     are read into the same form (`rsgl.models.gguf_weights`): Q5_K as 8 bits with a minimum
-    per 32 (w = s * q + m, q in 0..31)."""
+    per 32 (w = s * q + m, q in 0..31). `int8_activations`: their products quantize the
+    activations (`--quantization gguf_a8`), as `GGUFBlocks` does."""
 
     kernels: CpuKernels
     bits: int
@@ -102,6 +103,7 @@ class GroupQuantized:
     q: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None
+    int8_activations: bool = False
 
     @classmethod
     def quantize(
@@ -144,7 +146,9 @@ class GroupQuantized:
         return int(self.q.numel() + self.scales.numel() * 4 + extra)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.qlinear_group(self.bits, x, self.q, self.scales, self.mins, self.group)
+        return self.kernels.qlinear_group(
+            self.bits, x, self.q, self.scales, self.mins, self.group, self.int8_activations
+        )
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.kernels.dequant_rows_group(

@@ -27,10 +27,16 @@ a `Q5_K_M` file with Q6_K, become int8 groups of 32 with a minimum each: the 5-b
 by 6 by 5 significant bits), so the one rounding is again the minimum's, as in gguf's
 dequantize: the same numbers, read as 10 bits a weight (8, and a float32 scale and minimum
 per 32) instead of 5.5. Other K-quants stay dense.
+
+Under `--quantization gguf_a8` the K-quants' groups, like the GGUF blocks, multiply
+activations quantized to int8 per block of 32 (`csrc/quant_a8.c`): each group's integer dot
+product scaled by its float32 scale (Q6_K's two per 32 each take their half), the
+minimum's term from the block's sum.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -180,8 +186,8 @@ def read_blocks(
 ) -> dict[str, LowBitWeight]:
     """Every projection and embedding tensor of `path` stored in a format the kernels read
     (`QUANT_FORMATS`, and Q4_K, Q5_K and Q6_K as groups), by HF name; tensors in other formats are
-    left out (they stay dense). `int8_activations`: the products of GGUF blocks quantize the
-    activations (`GGUFBlocks`); the K-quants' groups multiply them as they are."""
+    left out (they stay dense). `int8_activations`: the products quantize the activations
+    to int8 per block of 32 (`--quantization gguf_a8`), the K-quants' groups' too."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
@@ -194,7 +200,8 @@ def read_blocks(
         rows = int(tensor.shape[-1]) if len(tensor.shape) > 1 else 1
         data = np.array(tensor.data, dtype=np.uint8, copy=True).reshape(rows, -1)
         if fmt in _K_QUANTS:
-            out[name] = _K_QUANTS[fmt](kernels, data)
+            groups = _K_QUANTS[fmt](kernels, data)
+            out[name] = dataclasses.replace(groups, int8_activations=int8_activations)
         else:
             out[name] = GGUFBlocks(kernels, fmt, torch.from_numpy(data), int8_activations)
     return out
