@@ -94,7 +94,7 @@ class EngineArgs:
     quantization: str | None = option(
         None,
         "weights: gguf reads a GGUF file's projections and LM head from its own 4/8-bit "
-        "blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; the same numbers as the dequantized model, "
+        "blocks (Q4_0, Q4_1, Q8_0, Q3_K-Q6_K; the same numbers as the dequantized model, "
         "a fraction of the bytes per step); gguf_a8 the same blocks with activations "
         "quantized to int8 per block of 32, as llama.cpp computes (faster, not the float32 "
         "logits); int8 / "

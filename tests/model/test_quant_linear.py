@@ -18,7 +18,14 @@ from rsgl.args import EngineArgs
 from rsgl.engine import Engine
 from rsgl.layers.cpu_kernels import QUANT_FORMATS, CpuKernels, load_cpu_kernels
 from rsgl.layers.quant_linear import GGUFBlocks, GroupQuantized, QuantLinear
-from rsgl.models.gguf_weights import hf_name, q4_k_groups, q5_k_groups, q6_k_groups, read_blocks
+from rsgl.models.gguf_weights import (
+    hf_name,
+    q3_k_groups,
+    q4_k_groups,
+    q5_k_groups,
+    q6_k_groups,
+    read_blocks,
+)
 from rsgl.models.loader import (
     embedded_gguf_path,
     load_model,
@@ -312,6 +319,7 @@ def test_a_quantized_model_computes_with_the_values_it_holds(
 # Each K-quant: its reader, its super-block's bytes, where its fp16 headers lie (d and dmin,
 # or d), and the groups it is read as (bits, weights per scale, with minimums).
 K_QUANT_LAYOUTS = {
+    GGMLQuantizationType.Q3_K: (q3_k_groups, 110, slice(108, 110), (8, 16, False)),
     GGMLQuantizationType.Q4_K: (q4_k_groups, 144, slice(0, 4), (4, 32, True)),
     GGMLQuantizationType.Q5_K: (q5_k_groups, 176, slice(0, 4), (8, 32, True)),
     GGMLQuantizationType.Q6_K: (q6_k_groups, 210, slice(208, 210), (8, 16, False)),

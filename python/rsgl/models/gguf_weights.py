@@ -26,7 +26,14 @@ a `Q5_K_M` file with Q6_K, become int8 groups of 32 with a minimum each: the 5-b
 (0..31) as an int8, the scale and minimum as Q4_K's. The scale times a quant is exact (11
 by 6 by 5 significant bits), so the one rounding is again the minimum's, as in gguf's
 dequantize: the same numbers, read as 10 bits a weight (8, and a float32 scale and minimum
-per 32) instead of 5.5. Other K-quants stay dense.
+per 32) instead of 5.5.
+
+Q3_K super-blocks (256 weights: 2-bit quants and a high bit each, a 6-bit scale per 16
+weights, fp16 d), the bulk of a `Q3_K_M` file, become int8 groups of 16 as Q6_K's do: each
+weight's quant (-4..3) as an int8, each group's scale d * (sc - 32) in float32 (exact: 11
+by 6 significant bits), so the product is gguf's (8 bits a weight and 2 per scale instead
+of 3.4). Q2_K (a minimum per 16 weights, which the int8 kernels take per 32 only) and the
+other K-quants stay dense.
 
 Under `--quantization gguf_a8` the K-quants' groups, like the GGUF blocks, multiply
 activations quantized to int8 per block of 32 (`csrc/quant_a8.c`): each group's integer dot
@@ -177,15 +184,43 @@ def q6_k_groups(kernels: CpuKernels, data: np.ndarray) -> GroupQuantized:
     return _groups(kernels, 8, Q6_K_GROUP, q.view(np.uint8), d * sc, None)
 
 
+# Q3_K: bytes per super-block (32 of high bits, 64 of 2-bit quants, 12 of 6-bit scales, fp16
+# d).
+Q3_K_BYTES = 110
+
+
+def q3_k_groups(kernels: CpuKernels, data: np.ndarray) -> GroupQuantized:
+    """Q3_K rows (uint8 [rows, K / 256 * 110]) as the int8 groups of 16 they hold (see the
+    module doc)."""
+    rows = data.shape[0]
+    blocks = data.reshape(rows, -1, Q3_K_BYTES)
+    # Weight w of a super-block: its low two bits at bits 2 * (w // 32 % 4) of quant byte
+    # 32 * (w // 128) + w % 32, its third at bit w // 32 of high-bit byte w % 32, set for
+    # the values 0..3 and clear for -4..-1.
+    low = blocks[..., 32:96].reshape(rows, -1, 2, 1, 32)
+    low = (low >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 3
+    high = blocks[..., None, :32] >> np.arange(8, dtype=np.uint8).reshape(8, 1) & 1
+    q = low.reshape(rows, -1, 8, 32).astype(np.int8) - 4 * (1 - high.astype(np.int8))
+    # Scale g (g = 0..15, one per 16 weights): its low four bits in the low (g < 8) or high
+    # nibble of byte g % 8, its top two at bits 2 * (g // 4) of byte 8 + g % 4; minus 32.
+    packed = blocks[..., 96:108]
+    nibbles = np.concatenate([packed[..., :8] & 15, packed[..., :8] >> 4], axis=-1)
+    tops = packed[..., 8:12, None] >> np.array([0, 2, 4, 6], dtype=np.uint8) & 3
+    tops = tops.transpose(0, 1, 3, 2).reshape(rows, -1, 16)
+    sc = (nibbles | (tops << 4)).astype(np.float32) - 32
+    d = blocks[..., 108:110].copy().view(np.float16).astype(np.float32)
+    return _groups(kernels, 8, Q6_K_GROUP, q.view(np.uint8), d * sc, None)
+
+
 # The K-quants read as load-time groups.
-_K_QUANTS = {"Q4_K": q4_k_groups, "Q5_K": q5_k_groups, "Q6_K": q6_k_groups}
+_K_QUANTS = {"Q3_K": q3_k_groups, "Q4_K": q4_k_groups, "Q5_K": q5_k_groups, "Q6_K": q6_k_groups}
 
 
 def read_blocks(
     path: Path, kernels: CpuKernels, int8_activations: bool = False
 ) -> dict[str, LowBitWeight]:
     """Every projection and embedding tensor of `path` stored in a format the kernels read
-    (`QUANT_FORMATS`, and Q4_K, Q5_K and Q6_K as groups), by HF name; tensors in other formats are
+    (`QUANT_FORMATS`, and Q3_K to Q6_K as groups), by HF name; tensors in other formats are
     left out (they stay dense). `int8_activations`: the products quantize the activations
     to int8 per block of 32 (`--quantization gguf_a8`), the K-quants' groups' too."""
     from gguf import GGUFReader
@@ -207,4 +242,12 @@ def read_blocks(
     return out
 
 
-__all__ = ["GGUF_MODES", "hf_name", "q4_k_groups", "q5_k_groups", "q6_k_groups", "read_blocks"]
+__all__ = [
+    "GGUF_MODES",
+    "hf_name",
+    "q3_k_groups",
+    "q4_k_groups",
+    "q5_k_groups",
+    "q6_k_groups",
+    "read_blocks",
+]
