@@ -1,4 +1,4 @@
-"""K-quant test data: round-to-nearest Q4_K, Q5_K and Q6_K quantizers (gguf-py dequantizes
+"""K-quant test data: round-to-nearest Q3_K, Q4_K, Q5_K and Q6_K quantizers (gguf-py dequantizes
 K-quants but does not quantize them) and a copy of a GGUF file with some tensors
 re-quantized."""
 
@@ -102,7 +102,41 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
     return out.reshape(rows, -1)
 
 
+def quantize_q3_k(w: np.ndarray) -> np.ndarray:
+    """float32 [rows, K] (K a multiple of 256) -> Q3_K rows (uint8 [rows, K / 256 * 110]):
+    each group of 16 gets a signed scale that puts its largest magnitude on level -4 (the
+    levels run -4..3), stored as a 6-bit multiple of its super-block's fp16 d (-32..31, as
+    value + 32), and quants rounded to the nearest level, stored as value + 4: its low two
+    bits in the 2-bit quants, its third in the high bits."""
+    rows, k = w.shape
+    blocks = k // QK_K
+    groups = w.reshape(rows, blocks, 16, 16).astype(np.float32)
+    at = np.abs(groups).argmax(-1)[..., None]
+    scale = -np.take_along_axis(groups, at, -1)[..., 0] / 4
+    d = (np.abs(scale).max(-1) / 32).astype(np.float16)
+    dd = d.astype(np.float32)[..., None]
+    sc = np.where(dd > 0, np.rint(scale / np.where(dd > 0, dd, 1)), 0).clip(-32, 31)
+    step = (dd * sc)[..., None]
+    levels = np.where(step != 0, np.rint(groups / np.where(step != 0, step, 1)), 0)
+    v = (levels.clip(-4, 3) + 4).astype(np.uint8).reshape(rows, blocks, 8, 32)
+    # Weight 32b + l (b = 0..7): bits 2 * (b % 4) of quant byte 32 * (b // 4) + l, and bit
+    # b of high-bit byte l.
+    low = (v & 3).reshape(rows, blocks, 2, 4, 32) << np.array([0, 2, 4, 6], np.uint8)[:, None]
+    quants_ = low.sum(-2, dtype=np.uint8).reshape(rows, blocks, 64)
+    high = ((v >> 2) << np.arange(8, dtype=np.uint8)[:, None]).sum(-2, dtype=np.uint8)
+    # Scale g (stored + 32): its low four bits in the low (g < 8) or high nibble of byte
+    # g % 8, its top two at bits 2 * (g // 4) of byte 8 + g % 4.
+    stored = (sc + 32).astype(np.uint8)
+    packed = np.empty((rows, blocks, 12), dtype=np.uint8)
+    packed[..., :8] = (stored[..., :8] & 15) | ((stored[..., 8:] & 15) << 4)
+    tops = (stored >> 4).reshape(rows, blocks, 4, 4) << np.array([0, 2, 4, 6], np.uint8)[:, None]
+    packed[..., 8:] = tops.sum(-2, dtype=np.uint8)
+    out = np.concatenate([high, quants_, packed, d[..., None].view(np.uint8)], axis=-1)
+    return out.reshape(rows, -1)
+
+
 QUANTIZERS = {
+    GGMLQuantizationType.Q3_K: quantize_q3_k,
     GGMLQuantizationType.Q4_K: quantize_q4_k,
     GGMLQuantizationType.Q5_K: quantize_q5_k,
     GGMLQuantizationType.Q6_K: quantize_q6_k,
@@ -137,15 +171,15 @@ def requantized_copy(source: Path, target: Path, names: dict[str, GGMLQuantizati
 
 
 def k_quant_copy(root: Path) -> Path:
-    """The embedded file written under `root` with every ffn_down in a K-quant, Q4_K, Q5_K
-    and Q6_K in turn (layer i in the i % 3rd), as llama.cpp's Q4_K_M and Q5_K_M mix them
+    """The embedded file written under `root` with every ffn_down in a K-quant, Q3_K, Q4_K,
+    Q5_K and Q6_K in turn (layer i in the i % 4th), as llama.cpp's K-quant files mix them
     (the other projections' rows, 576 weights, are no multiple of a 256-weight
     super-block), and converted into a cache of its
     own, `root / "cache"` (the kernels it compiles are the user cache's): serve it with
     RSGL_CACHE_DIR set to that, which processes started for it inherit."""
     path = root / "SmolLM2-135M-Instruct.K-quant-down.gguf"
     types = list(QUANTIZERS)
-    names = {f"blk.{i}.ffn_down.weight": types[i % 3] for i in range(30)}
+    names = {f"blk.{i}.ffn_down.weight": types[i % len(types)] for i in range(30)}
     requantized_copy(embedded_gguf_path(), path, names)
     kernels = rsgl_cache_dir() / "kernels"
     kernels.mkdir(parents=True, exist_ok=True)

@@ -368,9 +368,9 @@ def test_ngram_speculation_keeps_tp1s_tokens(reference: dict[str, Any]) -> None:
 
 
 def test_k_quant_groups_shard_like_tp1s(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Every ffn_down of this copy is in Q4_K, Q5_K or Q6_K (int4 groups of 32, int8 groups
-    # of 32 with minimums, int8 groups of 16): row-parallel, so each rank holds half of every
-    # row's groups (768 of 1536 inputs).
+    # Every ffn_down of this copy is in Q3_K, Q4_K, Q5_K or Q6_K (int8 groups of 16, int4
+    # groups of 32, int8 groups of 32 with minimums, int8 groups of 16): row-parallel, so
+    # each rank holds half of every row's groups (768 of 1536 inputs).
     path = k_quant_copy(tmp_path)
     monkeypatch.setenv("RSGL_CACHE_DIR", str(tmp_path / "cache"))
     with rsgl.Engine(model_path=str(path), **OPTIONS) as engine:

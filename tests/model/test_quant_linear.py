@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
-from kquants import QUANTIZERS, k_quant_copy, quantize_q6_k
+from kquants import QUANTIZERS, k_quant_copy, quantize_q3_k, quantize_q6_k
 
 from rsgl.args import EngineArgs
 from rsgl.engine import Engine
@@ -393,6 +393,20 @@ def test_int8_groups_of_16_need_whole_blocks(kernels: CpuKernels) -> None:
         kernels.qlinear_group(4, torch.zeros(1, 64), nibbles, torch.zeros(4, 4), mins, 16)
 
 
+def test_the_test_quantizer_writes_q3_k_that_gguf_reads_back() -> None:
+    w = np.random.default_rng(6).standard_normal((5, 512)).astype(np.float32) * 0.05
+    w[1] = 0.0  # a zero super-block
+    back = quants.dequantize(quantize_q3_k(w), GGMLQuantizationType.Q3_K)
+    assert not back[1].any()
+    # Levels -4..3 of a step of about max |w| / 4: a group's largest magnitude lands on -4,
+    # one as large of the other sign clips at 3 (a step off); 6-bit scales add a little.
+    groups = w.reshape(5, 32, 16)
+    step = np.abs(groups).max(-1) / 4
+    error = np.abs(back - w).reshape(5, 32, 16).max(-1)
+    assert (error <= 1.1 * step + 1e-6).all()
+    assert np.median(np.abs(back - w)) <= 0.3 * np.median(step)
+
+
 def test_the_test_quantizer_writes_q6_k_that_gguf_reads_back() -> None:
     w = np.random.default_rng(6).standard_normal((5, 512)).astype(np.float32) * 0.05
     w[1] = 0.0  # a zero super-block
@@ -417,7 +431,9 @@ def test_a_k_quant_file_serves_its_super_blocks_with_the_dequantized_models_toke
     monkeypatch.setenv("RSGL_CACHE_DIR", str(k_quant_model.parent / "cache"))
     loaded = load_model(str(k_quant_model), dtype=torch.float32, pack_weights=False)
     assert loaded.quantization == "gguf"
-    for i, form in ((3, (4, 32, True)), (4, (8, 32, True)), (5, (8, 16, False))):  # Q4-6_K
+    # Layer i's ffn_down in Q3_K, Q4_K, Q5_K or Q6_K by i % 4.
+    forms = {3: (8, 16, False), 4: (8, 16, False), 5: (4, 32, True), 6: (8, 32, True)}
+    for i, form in forms.items():
         layer = loaded.model.layers[i]
         down, qkv = layer.mlp.down_proj, layer.self_attn.qkv_proj
         assert isinstance(down, QuantLinear) and isinstance(down.weight, GroupQuantized)
@@ -480,7 +496,7 @@ def test_gguf_a8_reads_a_k_quant_files_groups_with_int8_activations(
     )
     assert loaded.quantization == "gguf_a8"
     x = torch.randn(2, 1536, generator=torch.Generator().manual_seed(11))
-    for i in (3, 4, 5):  # Q4_K, Q5_K, Q6_K
+    for i in (3, 4, 5, 6):  # Q6_K, Q3_K, Q4_K, Q5_K
         down = loaded.model.layers[i].mlp.down_proj
         assert isinstance(down, QuantLinear) and isinstance(down.weight, GroupQuantized)
         assert down.weight.int8_activations
