@@ -21,9 +21,9 @@ from rsgl.tool_calls.parsers import FORMATS as TOOL_CALL_PARSERS
 from rsgl.validation import RequestLimits
 
 # Values of `--quantization` (SGLang's option name): gguf reads a GGUF file's blocks;
-# gguf_a8 reads them with int8 activations (as llama.cpp); int8 and int4 quantize any
-# model's projections when it loads; none runs the weights as loaded; None (auto) picks
-# gguf for GGUF files where it can run.
+# gguf_a8 reads them with int8 activations (as llama.cpp does Q4_0/Q4_1/Q8_0's); int8 and
+# int4 quantize any model's projections when it loads; none runs the weights as loaded;
+# None (auto) picks gguf for GGUF files where it can run.
 QUANTIZATIONS = ("gguf", "gguf_a8", "int8", "int4", "none")
 
 # kv_cache_dtype values -> the torch dtype's name (None: the model's dtype).
@@ -96,8 +96,8 @@ class EngineArgs:
         "weights: gguf reads a GGUF file's projections and LM head from its own 4/8-bit "
         "blocks (Q4_0, Q4_1, Q8_0, Q3_K-Q6_K; the same numbers as the dequantized model, "
         "a fraction of the bytes per step); gguf_a8 the same blocks with activations "
-        "quantized to int8 per block of 32, as llama.cpp computes (faster, not the float32 "
-        "logits); int8 / "
+        "quantized to int8 per block of 32, as llama.cpp computes Q4_0/Q4_1/Q8_0 (faster, not "
+        "the float32 logits); int8 / "
         "int4 quantize any model's projections when it loads (CPU), and its LM head to "
         "int8; none runs the weights as loaded (default: gguf for GGUF files on CPU, else "
         "none)",

@@ -8,16 +8,19 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from kquants import k_quant_copy
 from plan_builder import Driver
 
 from rsgl.layers import decode_stack
 from rsgl.layers.attention.torch_native import TorchNativeAttnBackend
 from rsgl.layers.cpu_kernels import load_cpu_kernels
+from rsgl.layers.quant_linear import GroupQuantized
 from rsgl.model_executor.model_runner import ModelRunner
 
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -163,3 +166,28 @@ def test_parts_the_driver_does_not_read_are_refused(runner: ModelRunner) -> None
     # A model dtype other than the backend's builds none.
     assert model._decode_stack(attn, other) is None
     model._stack_key = None
+
+
+def test_a_k_quant_files_groups_run_in_the_stack_with_int8_activations(
+    tmp_path: Path, stack_calls: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every ffn_down of this copy is a K-quant's groups: under gguf_a8 the stack must call
+    # the groups' int8-activation kernel, as the layer path does (the exact one rounds
+    # otherwise, and the logits would differ).
+    path = k_quant_copy(tmp_path)
+    monkeypatch.setenv("RSGL_CACHE_DIR", str(tmp_path / "cache"))
+    runner = ModelRunner.from_pretrained(
+        str(path),
+        kv_buffer_size=2048,
+        max_running_requests=40,
+        context_len=256,
+        dtype=torch.float32,
+        quantization="gguf_a8",
+    )
+    down = runner.model.layers[0].mlp.down_proj.weight
+    assert isinstance(down, GroupQuantized) and down.int8_activations
+    (tokens, logits), (layer_tokens, layer_logits) = both_paths(runner, PROMPTS, monkeypatch)
+    assert stack_calls[-STEPS:] == [len(PROMPTS)] * STEPS
+    assert tokens == layer_tokens
+    for step, (a, b) in enumerate(zip(logits, layer_logits, strict=True)):
+        assert np.array_equal(a, b), f"step {step}: max diff {np.abs(a - b).max()}"

@@ -504,3 +504,38 @@ def test_gguf_a8_reads_a_k_quant_files_groups_with_int8_activations(
         reference = _quantized_rows(x).double() @ dense.T
         bound = 1e-6 * 1536 * (_quantized_rows(x).double().abs() @ dense.abs().T)
         assert ((down(x).double() - reference).abs() <= bound).all()
+        exact = dataclasses.replace(down.weight, int8_activations=False)
+        assert not torch.equal(down(x), exact.matmul(x))
+
+
+def _signed_bytes_with_minimums(kernels: CpuKernels, rows: int, k: int) -> GroupQuantized:
+    """int8 groups of 32 with minimums over every byte value (Q5_K's hold 0..31 only)."""
+    g = torch.Generator().manual_seed(12)
+    q = torch.randint(-128, 128, (rows, k), generator=g, dtype=torch.int8).view(torch.uint8)
+    scales = torch.rand(rows, k // 32, generator=g) * 0.01
+    mins = torch.randn(rows, k // 32, generator=g) * 0.1
+    return GroupQuantized(kernels, 8, 32, q, scales, mins)
+
+
+@pytest.mark.parametrize("form", ["int4-32", "int4-per-channel", "int8-per-channel", "int8-min"])
+def test_load_time_groups_multiply_int8_activations(kernels: CpuKernels, form: str) -> None:
+    # 67 blocks a row: odd (the nibbles go in pairs, the last alone) and past one chunk of
+    # 64; the last chunk's three blocks read their scales one by one. Groups of a row's
+    # whole length span many blocks; int8 with minimums takes every byte value, signed.
+    rows, k = 13, 32 * 67
+    w = torch.randn(rows, k, generator=torch.Generator().manual_seed(11)) * 0.05
+    if form == "int8-min":
+        exact = _signed_bytes_with_minimums(kernels, rows, k)
+    else:
+        bits, group = int(form[3]), 32 if form.endswith("-32") else k
+        exact = GroupQuantized.quantize(kernels, w, bits, group)
+    weight = dataclasses.replace(exact, int8_activations=True)
+    dense = weight.rows(torch.arange(rows)).double()
+    x = torch.randn(17, k, generator=torch.Generator().manual_seed(13))
+    got = weight.matmul(x)
+    quantized = _quantized_rows(x).double()
+    bound = 1e-6 * k * (quantized.abs() @ dense.abs().T) + 1e-30
+    assert ((got.double() - quantized @ dense.T).abs() <= bound).all()
+    assert not torch.equal(got, exact.matmul(x))
+    for start, stop in ((0, 1), (16, 17), (0, 5), (2, 11), (1, 17)):
+        assert torch.equal(weight.matmul(x[start:stop].contiguous()), got[start:stop])

@@ -9,12 +9,17 @@
 #define QK 32
 
 /* ggml's type numbers for GGUF's formats; the load-time formats after them (I8H: int8 with
-   a scale per 16 weights, two a block, as GGUF's Q6_K holds them; I8M: int8 with a scale and
-   a minimum per 32, as GGUF's Q5_K holds them). */
+   a scale per 16 weights, two a block, as GGUF's Q6_K and Q3_K hold them; I8M: int8 with a
+   scale and a minimum per 32, as GGUF's Q5_K holds them). */
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, I4 = 100, I8 = 101, I8H = 102, I8M = 103 };
 
 /* Whether `fmt` is a load-time format: its scales (and minimums) are arrays of their own. */
 static inline int load_time(int fmt) { return fmt >= I4; }
+
+/* Whether `fmt` holds a byte (int8) per weight rather than a nibble. */
+static inline int int8_quants(int fmt) {
+    return fmt == Q8_0 || fmt == I8 || fmt == I8H || fmt == I8M;
+}
 
 /* fp16 -> float32 without F16C: normals, subnormals, zeros, infinities and NaN. */
 static inline float f16_to_f32(uint16_t h) {

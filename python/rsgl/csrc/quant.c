@@ -10,7 +10,7 @@
    weights of a row, in arrays of their own (G a multiple of 32, G = K per channel; or 16):
      I4    16 bytes of nibbles                              w = s * q + m
      I8    32 int8                                          w = s * q
-     I8H   32 int8, a scale per 16 (G = 16: GGUF's Q6_K)    w = s * q
+     I8H   32 int8, a scale per 16 (G = 16: Q6_K, Q3_K)     w = s * q
      I8M   32 int8, with minimums (G = 32: GGUF's Q5_K)     w = s * q + m
 
    Nibble byte j holds element j (low half) and element j + 16 (high half). Each weight is
@@ -98,10 +98,6 @@ static inline Block block_at(const QMat* a, int64_t n, int64_t k) {
     Block out = block_in_row(a->fmt, row, k, a->scales[g], a->mins ? a->mins[g] : 0.f);
     if (a->fmt == I8H) out.d2 = a->scales[g + 1];
     return out;
-}
-
-static inline int int8_quants(int fmt) {
-    return fmt == Q8_0 || fmt == I8 || fmt == I8H || fmt == I8M;
 }
 
 /* A load-time format's blocks per scale (a scale per 32 * per weights: group / 32), and the

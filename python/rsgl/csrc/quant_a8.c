@@ -8,18 +8,19 @@
        sum(w * x') = d * dx * sum(q * qx) + m * sx,
 
    where x' = dx * qx is the quantized row and sum(q * qx) an exact integer sum: byte
-   products summed in pairs (maddubs), then in fours (madd), 8 lanes a block (Q8_0) or, two
-   4-bit blocks a register, 4 lanes each. Where the exact kernels (quant.c) rebuild each
-   float32 weight (a conversion and two multiply-adds per 8 weights), this is a few integer
-   instructions and a conversion per 32 weights, and the weights stay the file's; what
-   changes is x, rounded to 8 bits per block. So the logits are not the float32 model's:
+   products summed in pairs (maddubs), then in fours (madd), 8 lanes a block (the byte
+   formats) or, two 4-bit blocks a register, 4 lanes each. Where the exact kernels (quant.c)
+   rebuild each float32 weight (a conversion and two multiply-adds per 8 weights), this is a
+   few integer instructions and a conversion per 32 weights, and the weights stay the file's;
+   what changes is x, rounded to 8 bits per block. So the logits are not the float32 model's:
    `rsgl bench quality --modes gguf_a8` measures the KL divergence that costs.
 
-   GGUF's K-quants, read at load time as groups (quant.c's I4 for Q4_K, I8H for Q6_K, I8M
-   for Q5_K; rsgl/models/gguf_weights.py), are multiplied the same way: their quants are
-   the file's (4 bits, or 5 and 6 bits held in bytes), each group's scale (and minimum) a
-   float32 from their arrays instead of a block header; Q6_K's two scales a block of 32 each
-   take the half of the block's 8 lanes that sums their 16 weights.
+   GGUF's K-quants, read at load time as groups (quant.c's I4 for Q4_K, I8H for Q3_K and
+   Q6_K, I8M for Q5_K; rsgl/models/gguf_weights.py), are multiplied the same way: their
+   quants are the file's (4 bits, or 3, 5 and 6 bits held in bytes), each group's scale (and
+   minimum) a float32 from their arrays instead of a block header; I8H's two scales a block
+   of 32 each take the half of the block's 8 lanes that sums their 16 weights. (llama.cpp
+   quantizes x per 256 for the K-quants, Q8_K; here every format takes Q8_1's blocks of 32.)
 
    Each (row of x, weight row) is summed in one order whatever the batch (8 lanes over the
    blocks or pairs of blocks, then a fixed tree; the offsets' terms in four lanes beside,
@@ -83,11 +84,12 @@ typedef struct {
     int64_t groups;
 } A8Mat;
 
-/* Where a block's quants start (after a GGUF header), and whether they are signed bytes. */
+/* Where a block's quants start (after a GGUF header), and whether they are signed bytes (the
+   byte formats: as quant.c reads them; Q5_K's I8M holds 0..31). */
 static inline int64_t quants_offset(int fmt) {
     return fmt == Q4_1 ? 4 : fmt == Q4_0 || fmt == Q8_0 ? 2 : 0;
 }
-static inline int signed_quants(int fmt) { return fmt == Q8_0 || fmt == I8 || fmt == I8H; }
+static inline int signed_quants(int fmt) { return int8_quants(fmt); }
 
 /* Whether a block's weights have an offset m (w = d * q + m), summed as m * sx. */
 static inline int has_offset(int fmt) { return fmt != Q8_0 && fmt != I8 && fmt != I8H; }
@@ -125,9 +127,9 @@ static inline __m256i block_quants(int fmt, const uint8_t* q) {
 }
 
 /* sum(q * qx) of one block in 8 int32 lanes (lanes 0..3: elements 0..15), as floats.
-   maddubs multiplies unsigned bytes by signed ones: nibbles and Q5_K's 5-bit quants are
-   unsigned as they are; signed quants give their magnitudes and their signs move onto qx
-   (|qx| <= 127, so no product saturates: 2 * 31 * 127 and 2 * 128 * 127 fit in 16 bits). */
+   maddubs multiplies unsigned bytes by signed ones: nibbles are unsigned as they are; byte
+   quants give their magnitudes and their signs move onto qx (|qx| <= 127, so no product
+   saturates: 2 * 15 * 127 and 2 * 128 * 127 fit in 16 bits). */
 static inline __m256 block_dot(int fmt, __m256i wq, const int8_t* qx) {
     __m256i a = _mm256_loadu_si256((const __m256i*)qx);
     if (signed_quants(fmt)) {
@@ -184,12 +186,14 @@ static inline __m256 block_pairs(int fmt, const A8Mat* a, int64_t n, int64_t k, 
         return _mm256_loadu_ps(a->scales + n * a->groups + 2 * k);
     if (count >= 4 && a->per == 1) {
         const __m128 d = _mm_loadu_ps(a->scales + n * a->groups + k);
-        const __m128 m = a->mins ? _mm_loadu_ps(a->mins + n * a->groups + k) : _mm_setzero_ps();
+        const __m128 m =
+            a->mins ? _mm_loadu_ps(a->mins + n * a->groups + k) : _mm_setzero_ps();
         return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_unpacklo_ps(d, m)),
                                     _mm_unpackhi_ps(d, m), 1);
     }
     float p[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int64_t i = 0; i < count && i < 4; i++) group_params(fmt, a, n, k + i, p + 2 * i, p + 2 * i + 1);
+    for (int64_t i = 0; i < count && i < 4; i++)
+        group_params(fmt, a, n, k + i, p + 2 * i, p + 2 * i + 1);
     return _mm256_setr_ps(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]);
 }
 
@@ -197,15 +201,15 @@ static inline __m256 block_pairs(int fmt, const A8Mat* a, int64_t n, int64_t k, 
    one for each half. */
 static inline __m256 block_scale(int fmt, const float* sc) {
     if (fmt != I8H) return _mm256_broadcast_ss(sc);
-    const __m128 two = _mm_castpd_ps(_mm_load_sd((const double*)sc));
+    const __m128 two = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i*)sc));
     return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two),
                                     _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
 }
 
 /* Rows x[0 .. R) times weight rows n .. n + W - 1 (R * W <= 8, constants in each inlined
-   copy), into y[r * N + n + i]: each weight pair's quants unpacked once for the R rows. A chunk of blocks first gets every (weight row, x row)'s
-   block scales and offset terms, four blocks a multiply; the block loop is then the integer
-   dot and one multiply-add. */
+   copy), into y[r * N + n + i]: each weight pair's quants unpacked once for the R rows. A
+   chunk of blocks first gets every (weight row, x row)'s block scales and offset terms, four
+   blocks a multiply; the block loop is then the integer dot and one multiply-add. */
 static inline __attribute__((always_inline)) void a8_tile(const int fmt, const A8Mat* a,
                                                           int64_t n, const QRows* x,
                                                           const int R, const int W, float* y,
@@ -243,7 +247,8 @@ static inline __attribute__((always_inline)) void a8_tile(const int fmt, const A
                 }
         for (; k < c1; k++) {
             for (int i = 0; i < W; i++) {
-                const __m256i wq = block_quants(fmt, w + (n + i) * row_bytes + k * block_bytes(fmt) + qoff);
+                const uint8_t* q = w + (n + i) * row_bytes + k * block_bytes(fmt) + qoff;
+                const __m256i wq = block_quants(fmt, q);
                 for (int r = 0; r < R; r++) {
                     const __m256 s = block_scale(fmt, sc[i * R + r] + 2 * (k - c0));
                     const __m256 dot = block_dot(fmt, wq, x->q + (r * nb + k) * QK);
@@ -330,6 +335,7 @@ static inline void a8_rows(const int fmt, const A8Mat* a, int64_t n, const QRows
 
 static void qlinear_a8_f32(int fmt, const A8Mat* a, const float* x, int64_t M, int64_t K,
                            int64_t N, float* y, int threads) {
+    if (M <= 0) return;
     const int64_t nb = K / QK, np = pair_blocks(nb);
     char* buf = (char*)calloc((size_t)(M * K + 2 * M * np * (int64_t)sizeof(float)), 1);
     if (!buf) abort();
@@ -341,7 +347,8 @@ static void qlinear_a8_f32(int fmt, const A8Mat* a, const float* x, int64_t M, i
        pass over the weights). */
     const int64_t tiles = (M + A8_ROWS - 1) / A8_ROWS, height = (M + tiles - 1) / tiles;
     const int64_t row_bytes = a->row_bytes, step = a8_weight_rows(height);
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N * M * K >= 65536)
+#pragma omp parallel for num_threads(threads) schedule(static) \
+    if (threads > 1 && N * M * K >= 65536)
     for (int64_t n = 0; n < N; n += step) {
         /* Weight rows are short and streamed from memory: ask for the rows 8 ahead. */
         prefetch_bytes(a->w + (n + 8) * row_bytes, step * row_bytes);

@@ -531,7 +531,8 @@ class CpuKernels:
         """x [M, K] (float32 or bfloat16) times W^T, where W is stored as GGUF blocks of
         `fmt` (`QUANT_FORMATS`): blocks is uint8 [N, K / 32 * block bytes], one weight row
         per row. Returns [M, N] of x's dtype. `int8_activations`: x quantized to int8 per
-        block of 32 first, as llama.cpp does (quant_a8.c; not the float32 product)."""
+        block of 32 first, as llama.cpp does for these formats (quant_a8.c; not the float32
+        product)."""
         act = _check(x)
         rows, k = _check_blocks(blocks, fmt, x.shape[1] if x.dim() == 2 else -1)
         if x.dim() != 2:

@@ -9,7 +9,8 @@ float32 exactly as the dequantized model holds it: the same numbers, a different
 order. For a GGUF file that is the file's own model, so greedy tokens match the dequantized
 float32 model's; int8 / int4 change the weights (measured by `rsgl bench quality`).
 `--quantization gguf_a8` keeps the file's blocks but quantizes the activations to int8 per
-block of 32, as llama.cpp does (`csrc/quant_a8.c`): integer dot products instead of
+block of 32, as llama.cpp does for Q4_0, Q4_1 and Q8_0 (`csrc/quant_a8.c`; the K-quants'
+groups too, where llama.cpp takes blocks of 256): integer dot products instead of
 rebuilt float32 weights, not the float32 model's logits.
 
 Decode batches are bound by memory traffic; large ones (prefill chunks, mixed steps) by

@@ -194,7 +194,8 @@ def load_model(
 
     `quantization` (SGLang's `--quantization`): "gguf" serves the projections and the LM
     head of a GGUF file from the file's own blocks (`rsgl.layers.quant_linear`); "gguf_a8"
-    the same with activations quantized to int8, as llama.cpp computes; "int8" /
+    the same with activations quantized to int8 per block of 32 (as llama.cpp computes
+    Q4_0, Q4_1 and Q8_0; the K-quants too); "int8" /
     "int4" quantize any model's projections as it loads (groups of
     `quantization_group_size` weights; default int8 per channel, int4 groups of 32) and its
     LM head to int8; "none" runs the weights as loaded (a GGUF file dequantized); None picks
