@@ -393,31 +393,31 @@ def test_int8_groups_of_16_need_whole_blocks(kernels: CpuKernels) -> None:
         kernels.qlinear_group(4, torch.zeros(1, 64), nibbles, torch.zeros(4, 4), mins, 16)
 
 
-def test_the_test_quantizer_writes_q3_k_that_gguf_reads_back() -> None:
+# The test quantizers' symmetric K-quants: the step of a group's levels relative to its
+# largest magnitude, and the error bound in steps. Q3_K's levels run -4..3: a group's largest
+# magnitude lands on -4, one as large of the other sign clips at 3 (a step off). Q6_K's int8
+# scales of the super-block's d move the step by up to half of d, and the largest values
+# may clip at 31 levels. 6-bit scales add a little to both.
+SYMMETRIC_K_QUANTS = {
+    GGMLQuantizationType.Q3_K: (quantize_q3_k, 4, 1.1),
+    GGMLQuantizationType.Q6_K: (quantize_q6_k, 32, 1.5),
+}
+
+
+@pytest.mark.parametrize("qtype", list(SYMMETRIC_K_QUANTS))
+def test_the_test_quantizer_writes_symmetric_k_quants_that_gguf_reads_back(
+    qtype: GGMLQuantizationType,
+) -> None:
+    quantize, levels, bound = SYMMETRIC_K_QUANTS[qtype]
     w = np.random.default_rng(6).standard_normal((5, 512)).astype(np.float32) * 0.05
     w[1] = 0.0  # a zero super-block
-    back = quants.dequantize(quantize_q3_k(w), GGMLQuantizationType.Q3_K)
+    back = quants.dequantize(quantize(w), qtype)
     assert not back[1].any()
-    # Levels -4..3 of a step of about max |w| / 4: a group's largest magnitude lands on -4,
-    # one as large of the other sign clips at 3 (a step off); 6-bit scales add a little.
     groups = w.reshape(5, 32, 16)
-    step = np.abs(groups).max(-1) / 4
+    step = np.abs(groups).max(-1) / levels
     error = np.abs(back - w).reshape(5, 32, 16).max(-1)
-    assert (error <= 1.1 * step + 1e-6).all()
+    assert (error <= bound * step + 1e-6).all()
     assert np.median(np.abs(back - w)) <= 0.3 * np.median(step)
-
-
-def test_the_test_quantizer_writes_q6_k_that_gguf_reads_back() -> None:
-    w = np.random.default_rng(6).standard_normal((5, 512)).astype(np.float32) * 0.05
-    w[1] = 0.0  # a zero super-block
-    back = quants.dequantize(quantize_q6_k(w), GGMLQuantizationType.Q6_K)
-    assert not back[1].any()
-    # Each group's levels step by about max |w| / 32; int8 scales of the super-block's d
-    # move the step by up to half of d, and the largest values may clip at 31 levels.
-    groups = w.reshape(5, 32, 16)
-    step = np.abs(groups).max(-1) / 32
-    error = np.abs(back - w).reshape(5, 32, 16).max(-1)
-    assert (error <= 1.5 * step + 1e-6).all()
 
 
 @pytest.fixture(scope="module")

@@ -58,6 +58,40 @@ static inline int64_t block_bytes(int fmt) {
     }
 }
 
+/* A weight matrix: `w` holds N rows of `row_bytes`; the load-time formats add a scale (and
+   a minimum) per group of `group` weights, `groups` per row. */
+typedef struct {
+    int fmt;
+    const uint8_t* w;
+    int64_t row_bytes;
+    const float* scales;
+    const float* mins;
+    int64_t group;
+    int64_t groups;
+} QMat;
+
+/* A load-time format's blocks per scale (a scale per 32 * per weights: group / 32), and the
+   scales a block steps over (two for I8H's groups of 16). */
+static inline int64_t blocks_per_scale(int fmt, const QMat* a) {
+    return !load_time(fmt) || fmt == I8H ? 1 : a->group / QK;
+}
+static inline int64_t scales_per_block(int fmt) { return fmt == I8H ? 2 : 1; }
+
+/* A GGUF format's matrix of K columns. */
+static inline QMat gguf_mat(int fmt, const uint8_t* w, int64_t K) {
+    const QMat a = {fmt, w, K / QK * block_bytes(fmt), NULL, NULL, K, 1};
+    return a;
+}
+
+/* The load-time formats: `bits` 4 (I4, with mins) or 8 (I8; I8H for groups of 16; I8M with
+   mins); `group` weights per scale. */
+static inline QMat group_mat(int bits, const uint8_t* w, const float* scales,
+                             const float* mins, int64_t K, int64_t group) {
+    const int fmt = bits == 4 ? I4 : mins ? I8M : group == QK / 2 ? I8H : I8;
+    const QMat a = {fmt, w, K / QK * block_bytes(fmt), scales, mins, group, K / group};
+    return a;
+}
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 /* The sum of v's 8 lanes in a fixed tree: the halves, pairs and neighbours. -ffast-math
    lets the compiler reassociate these adds, and each inlined copy its own way (one AVX2

@@ -31,18 +31,6 @@
 #include "common.h"
 #include "gguf_blocks.h"
 
-/* A weight matrix: `w` holds N rows of `row_bytes`; the load-time formats add a scale (and
-   a minimum) per group of `group` weights, `groups` per row. */
-typedef struct {
-    int fmt;
-    const uint8_t* w;
-    int64_t row_bytes;
-    const float* scales;
-    const float* mins;
-    int64_t group;
-    int64_t groups;
-} QMat;
-
 /* Block k of row n: its quants, scale d and offset m (w = d * q + m; int8 formats but I8M:
    m = 0); d2 scales its weights 16-31 (d, but for I8H). */
 typedef struct {
@@ -99,13 +87,6 @@ static inline Block block_at(const QMat* a, int64_t n, int64_t k) {
     if (a->fmt == I8H) out.d2 = a->scales[g + 1];
     return out;
 }
-
-/* A load-time format's blocks per scale (a scale per 32 * per weights: group / 32), and the
-   scales a block steps over (two for I8H's groups of 16). */
-static inline int64_t blocks_per_scale(int fmt, const QMat* a) {
-    return !load_time(fmt) || fmt == I8H ? 1 : a->group / QK;
-}
-static inline int64_t scales_per_block(int fmt) { return fmt == I8H ? 2 : 1; }
 
 /* One block's 32 weights as floats (the portable path; the AVX2 path builds the same values
    in registers). */
@@ -537,11 +518,6 @@ static void dequant_rows(const QMat* a, int64_t K, const int64_t* ids, int64_t n
             dequant_block(a->fmt, block_at(a, ids[i], k), out + i * K + k * QK);
 }
 
-static QMat gguf_mat(int fmt, const uint8_t* w, int64_t K) {
-    const QMat a = {fmt, w, K / QK * block_bytes(fmt), NULL, NULL, K, 1};
-    return a;
-}
-
 #define GGUF_FORMAT(name, fmt)                                                               \
     void rsgl_qlinear_##name##_f32(const float* x, int64_t M, int64_t K, const uint8_t* w,   \
                                    int64_t N, float* y, int threads) {                       \
@@ -562,15 +538,6 @@ static QMat gguf_mat(int fmt, const uint8_t* w, int64_t K) {
 GGUF_FORMAT(q4_0, Q4_0)
 GGUF_FORMAT(q4_1, Q4_1)
 GGUF_FORMAT(q8_0, Q8_0)
-
-/* The load-time formats: `bits` 4 (I4, with mins) or 8 (I8; I8H for groups of 16; I8M with
-   mins); `group` weights per scale. */
-static QMat group_mat(int bits, const uint8_t* w, const float* scales, const float* mins,
-                      int64_t K, int64_t group) {
-    const int fmt = bits == 4 ? I4 : mins ? I8M : group == QK / 2 ? I8H : I8;
-    const QMat a = {fmt, w, K / QK * block_bytes(fmt), scales, mins, group, K / group};
-    return a;
-}
 
 void rsgl_qlinear_group_f32(int bits, const float* x, int64_t M, int64_t K, const uint8_t* w,
                             const float* scales, const float* mins, int64_t group, int64_t N,

@@ -72,18 +72,6 @@ typedef struct {
     int64_t K;
 } QRows;
 
-/* A weight matrix: N rows of row_bytes (GGUF blocks, or a load-time format's quants), and
-   for the load-time formats a float32 scale (and minimum) per `per` blocks (I8H: two scales
-   a block), `groups` per row. */
-typedef struct {
-    const uint8_t* w;
-    int64_t row_bytes;
-    const float* scales;
-    const float* mins;
-    int64_t per;
-    int64_t groups;
-} A8Mat;
-
 /* Where a block's quants start (after a GGUF header), and whether they are signed bytes (the
    byte formats: as quant.c reads them; Q5_K's I8M holds 0..31). */
 static inline int64_t quants_offset(int fmt) {
@@ -96,16 +84,11 @@ static inline int has_offset(int fmt) { return fmt != Q8_0 && fmt != I8 && fmt !
 
 /* Block k of weight row n's scale and offset (I8H: its two scales) from a load-time
    format's arrays. */
-static inline void group_params(int fmt, const A8Mat* a, int64_t n, int64_t k, float* d,
+static inline void group_params(int fmt, const QMat* a, int64_t n, int64_t k, float* d,
                                 float* m) {
-    if (fmt == I8H) {
-        const float* s = a->scales + n * a->groups + 2 * k;
-        *d = s[0], *m = s[1];
-        return;
-    }
-    const int64_t g = n * a->groups + k / a->per;
+    const int64_t g = n * a->groups + k / blocks_per_scale(fmt, a) * scales_per_block(fmt);
     *d = a->scales[g];
-    *m = a->mins ? a->mins[g] : 0.f;
+    *m = fmt == I8H ? a->scales[g + 1] : a->mins ? a->mins[g] : 0.f;
 }
 
 /* Weight rows taken together per tile height: a lone row of x takes four (more loads of x
@@ -179,12 +162,12 @@ static inline __m256 pair_products(int fmt, __m256 w, const float* ds) {
 
 /* The (d, m) pairs of blocks k .. k + 3 of weight row n (fewer at the row's end, the rest
    0): GGUF's from their headers, the load-time formats' from their arrays. */
-static inline __m256 block_pairs(int fmt, const A8Mat* a, int64_t n, int64_t k, int64_t count) {
+static inline __m256 block_pairs(int fmt, const QMat* a, int64_t n, int64_t k, int64_t count) {
     if (!load_time(fmt))
         return header_pairs(fmt, a->w + n * a->row_bytes + k * block_bytes(fmt), count);
     if (count >= 4 && fmt == I8H)
         return _mm256_loadu_ps(a->scales + n * a->groups + 2 * k);
-    if (count >= 4 && a->per == 1) {
+    if (count >= 4 && blocks_per_scale(fmt, a) == 1) {
         const __m128 d = _mm_loadu_ps(a->scales + n * a->groups + k);
         const __m128 m =
             a->mins ? _mm_loadu_ps(a->mins + n * a->groups + k) : _mm_setzero_ps();
@@ -210,7 +193,7 @@ static inline __m256 block_scale(int fmt, const float* sc) {
    copy), into y[r * N + n + i]: each weight pair's quants unpacked once for the R rows. A
    chunk of blocks first gets every (weight row, x row)'s block scales and offset terms, four
    blocks a multiply; the block loop is then the integer dot and one multiply-add. */
-static inline __attribute__((always_inline)) void a8_tile(const int fmt, const A8Mat* a,
+static inline __attribute__((always_inline)) void a8_tile(const int fmt, const QMat* a,
                                                           int64_t n, const QRows* x,
                                                           const int R, const int W, float* y,
                                                           int64_t N) {
@@ -267,7 +250,7 @@ static inline __attribute__((always_inline)) void a8_tile(const int fmt, const A
 }
 
 /* One instance per tile shape: rows r .. r + R of x against weight rows n .. n + W - 1. */
-static inline __attribute__((always_inline)) void a8_rows(const int fmt, const A8Mat* a,
+static inline __attribute__((always_inline)) void a8_rows(const int fmt, const QMat* a,
                                                           int64_t n, const QRows* x, int64_t R,
                                                           int64_t W, float* y, int64_t N) {
 #define A8_TILE(r, c) a8_tile(fmt, a, n, x, r, c, y, N)
@@ -295,7 +278,7 @@ static inline __attribute__((always_inline)) void a8_rows(const int fmt, const A
 #define A8_PAIRED(fmt) 0
 
 /* The same sums in plain C: per block an exact integer dot, scaled as above. */
-static inline void a8_rows(const int fmt, const A8Mat* a, int64_t n, const QRows* x, int64_t R,
+static inline void a8_rows(const int fmt, const QMat* a, int64_t n, const QRows* x, int64_t R,
                            int64_t W, float* y, int64_t N) {
     const int64_t nb = x->K / QK, np = pair_blocks(nb), qoff = quants_offset(fmt);
     const int nibbles = fmt == Q4_0 || fmt == Q4_1 || fmt == I4;
@@ -333,9 +316,10 @@ static inline void a8_rows(const int fmt, const A8Mat* a, int64_t n, const QRows
 /* Rows of x handled together at most: each weight row is read once per tile of rows. */
 #define A8_ROWS 8
 
-static void qlinear_a8_f32(int fmt, const A8Mat* a, const float* x, int64_t M, int64_t K,
-                           int64_t N, float* y, int threads) {
+static void qlinear_a8_f32(const QMat* a, const float* x, int64_t M, int64_t K, int64_t N,
+                           float* y, int threads) {
     if (M <= 0) return;
+    const int fmt = a->fmt;
     const int64_t nb = K / QK, np = pair_blocks(nb);
     char* buf = (char*)calloc((size_t)(M * K + 2 * M * np * (int64_t)sizeof(float)), 1);
     if (!buf) abort();
@@ -379,13 +363,13 @@ static void qlinear_a8_f32(int fmt, const A8Mat* a, const float* x, int64_t M, i
     free(buf);
 }
 
-static void qlinear_a8_bf16(int fmt, const A8Mat* a, const uint16_t* x, int64_t M, int64_t K,
-                            int64_t N, uint16_t* y, int threads) {
+static void qlinear_a8_bf16(const QMat* a, const uint16_t* x, int64_t M, int64_t K, int64_t N,
+                            uint16_t* y, int threads) {
     float* xf = (float*)malloc((size_t)(M * K + M * N) * sizeof(float));
     if (!xf) abort();
     float* yf = xf + M * K;
     widen_bf16(x, xf, M * K);
-    qlinear_a8_f32(fmt, a, xf, M, K, N, yf, threads);
+    qlinear_a8_f32(a, xf, M, K, N, yf, threads);
     for (int64_t i = 0; i < M * N; i++) bf16_store(y, i, yf[i]);
     free(xf);
 }
@@ -393,41 +377,29 @@ static void qlinear_a8_bf16(int fmt, const A8Mat* a, const uint16_t* x, int64_t 
 #define A8_FORMAT(name, fmt)                                                                   \
     void rsgl_qlinear_##name##_a8_f32(const float* x, int64_t M, int64_t K, const uint8_t* w, \
                                       int64_t N, float* y, int threads) {                      \
-        const A8Mat a = {w, K / QK * block_bytes(fmt), NULL, NULL, 1, 0};                      \
-        qlinear_a8_f32(fmt, &a, x, M, K, N, y, threads);                                       \
+        const QMat a = gguf_mat(fmt, w, K);                                                    \
+        qlinear_a8_f32(&a, x, M, K, N, y, threads);                                            \
     }                                                                                          \
     void rsgl_qlinear_##name##_a8_bf16(const uint16_t* x, int64_t M, int64_t K,                \
                                        const uint8_t* w, int64_t N, uint16_t* y, int threads) { \
-        const A8Mat a = {w, K / QK * block_bytes(fmt), NULL, NULL, 1, 0};                      \
-        qlinear_a8_bf16(fmt, &a, x, M, K, N, y, threads);                                      \
+        const QMat a = gguf_mat(fmt, w, K);                                                    \
+        qlinear_a8_bf16(&a, x, M, K, N, y, threads);                                           \
     }
 
 A8_FORMAT(q4_0, Q4_0)
 A8_FORMAT(q4_1, Q4_1)
 A8_FORMAT(q8_0, Q8_0)
 
-/* The load-time formats (quant.c's group_mat): `bits` 4 (I4, with mins) or 8 (I8; I8H for
-   groups of 16; I8M with mins); `group` weights per scale, a multiple of 32 (16: I8H). */
-static A8Mat a8_group_mat(int bits, const uint8_t* w, const float* scales, const float* mins,
-                          int64_t K, int64_t group, int* fmt) {
-    *fmt = bits == 4 ? I4 : mins ? I8M : group == QK / 2 ? I8H : I8;
-    const A8Mat a = {w, K / QK * block_bytes(*fmt), scales, mins,
-                     *fmt == I8H ? 1 : group / QK, K / group};
-    return a;
-}
-
 void rsgl_qlinear_group_a8_f32(int bits, const float* x, int64_t M, int64_t K, const uint8_t* w,
                                const float* scales, const float* mins, int64_t group, int64_t N,
                                float* y, int threads) {
-    int fmt;
-    const A8Mat a = a8_group_mat(bits, w, scales, mins, K, group, &fmt);
-    qlinear_a8_f32(fmt, &a, x, M, K, N, y, threads);
+    const QMat a = group_mat(bits, w, scales, mins, K, group);
+    qlinear_a8_f32(&a, x, M, K, N, y, threads);
 }
 
 void rsgl_qlinear_group_a8_bf16(int bits, const uint16_t* x, int64_t M, int64_t K,
                                 const uint8_t* w, const float* scales, const float* mins,
                                 int64_t group, int64_t N, uint16_t* y, int threads) {
-    int fmt;
-    const A8Mat a = a8_group_mat(bits, w, scales, mins, K, group, &fmt);
-    qlinear_a8_bf16(fmt, &a, x, M, K, N, y, threads);
+    const QMat a = group_mat(bits, w, scales, mins, K, group);
+    qlinear_a8_bf16(&a, x, M, K, N, y, threads);
 }
