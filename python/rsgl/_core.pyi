@@ -19,6 +19,7 @@ __all__ = [
     "RadixTree",
     "Scheduler",
     "TokenPool",
+    "block_hashes",
     "default_config",
 ]
 
@@ -29,6 +30,10 @@ _Mode: TypeAlias = Literal["extend", "decode", "mixed", "idle"]
 
 FUTURE_TOKEN: int
 """The input id of a decode whose previous token a step still in flight is computing."""
+
+def block_hashes(tokens: _Ints, block: int) -> list[int]:
+    """The chained hash of each whole `block` of `tokens` (a partial last block is left
+    out): block i's hash stands for the prefix up to its end. The same in every process."""
 
 def default_config() -> dict[str, Any]:
     """`SchedulerConfig::default()`: what `Scheduler()` runs with for each option not

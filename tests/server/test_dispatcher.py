@@ -136,3 +136,63 @@ def test_the_prefix_record_is_bounded_and_evicts_tails_before_roots() -> None:
     tail = prompt(3, BLOCK_TOKENS)
     assert block_hashes(prompt(1, 16) + tail)[1] != block_hashes(prompt(2, 16) + tail)[1]
     assert block_hashes(prompt(1, BLOCK_TOKENS - 1)) == []
+
+
+def reference_cache_aware(d: Dispatcher, records: list[PrefixRecord], ids: list[int]) -> int:
+    """The cache-aware rule written out rank by rank: each live rank's own record matched
+    against the prompt, the longest match winning (fewest in flight, then the lower rank)
+    when it covers the threshold, else the least-loaded rank (fewest in flight, smallest
+    record, lower rank); balance first when the load is badly skewed."""
+    live = d.live_ranks
+
+    def least_loaded() -> int:
+        return min(live, key=lambda r: (d.loads[r].requests, len(records[r]), r))
+
+    requests = [d.loads[r].requests for r in live]
+    if (
+        max(requests) - min(requests) > d.balance_abs_threshold
+        and max(requests) > min(requests) * d.balance_rel_threshold
+    ):
+        return least_loaded()
+    hashes = block_hashes(ids)
+    matched = {r: records[r].match(hashes) for r in live}
+    best = max(live, key=lambda r: (matched[r], -d.loads[r].requests, -r))
+    if matched[best] and matched[best] * BLOCK_TOKENS / len(ids) >= d.cache_threshold:
+        return best
+    return least_loaded()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cache_aware_matches_every_rank_at_once_as_rank_by_rank(seed: int) -> None:
+    """The dispatcher matches a prompt against one index of every rank's blocks; its
+    choices are those of matching each rank's record in turn, through evictions (records of
+    a few prompts), releases, a flushed cache and a dead rank, and the index stays exactly
+    the records after every call."""
+    rng = random.Random(seed)
+    ranks, capacity = 7, 40 * BLOCK_TOKENS
+    d = Dispatcher(ranks, "cache_aware", [capacity] * ranks, balance_abs_threshold=6)
+    mirror = [PrefixRecord(capacity // BLOCK_TOKENS) for _ in range(ranks)]
+    prefixes = [prompt(seed * 100 + g, rng.randrange(1, 12) * BLOCK_TOKENS) for g in range(12)]
+    in_flight: list[str] = []
+    for i in range(600):
+        if rng.random() < 0.8:
+            ids = rng.choice(prefixes)[: rng.randrange(BLOCK_TOKENS, 12 * BLOCK_TOKENS)]
+        else:
+            ids = []
+        ids = ids + prompt(seed * 10_000 + i, rng.randrange(1, 3 * BLOCK_TOKENS))
+        expected = reference_cache_aware(d, mirror, ids)
+        assert d.assign(str(i), ids, len(ids) + 16) == expected, i
+        mirror[expected].insert(block_hashes(ids))
+        in_flight.append(str(i))
+        while in_flight and rng.random() < 0.45:
+            d.release(in_flight.pop(rng.randrange(len(in_flight))))
+        if i == 200:
+            d.forget_prefixes(3)
+            mirror[3].clear()
+        if i == 400:
+            for rid in d.remove_rank(5):
+                d.release(rid)
+                in_flight.remove(rid)
+            mirror[5].clear()
+        d.check()
+        assert [len(r) for r in d.records] == [len(r) for r in mirror]

@@ -23,8 +23,9 @@ pub struct NgramDrafter {
     next_after: Vec<FxHashMap<u64, usize>>,
 }
 
-/// One step of the n-gram hash, extended backwards by `token`.
-fn mix(h: u64, token: u32) -> u64 {
+/// One step of the n-gram hash, extended backwards by `token` (splitmix64's finalizer; also
+/// the block hashes' step).
+pub(crate) fn mix(h: u64, token: u32) -> u64 {
     let mut z = h ^ (u64::from(token) + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);

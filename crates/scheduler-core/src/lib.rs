@@ -5,6 +5,7 @@
 //! Pure Rust; the PyO3 bindings live in [`python`] behind the `python` feature, so
 //! `cargo test` and `cargo bench` need no Python.
 
+pub mod block_hash;
 pub mod budget;
 pub mod detokenize;
 pub mod drafter;
@@ -17,6 +18,7 @@ pub mod scheduler;
 #[cfg(feature = "python")]
 mod python;
 
+pub use block_hash::block_hashes;
 pub use detokenize::{
     ByteTable, Delta, DetokenizeError, Detokenizer, StopMatch, TextHandle, TextOptions,
 };

@@ -30,9 +30,12 @@ The module knows nothing of processes or sockets: it is exercised directly by th
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
+from rsgl import _core
 from rsgl.args import LOAD_BALANCE_METHODS
 
 # Tokens per block of the prefix record: matches are counted in whole blocks. 16 keeps
@@ -65,14 +68,26 @@ class PrefixRecord:
     the least recently used leaving first. A prompt is recorded deepest block first: the
     blocks near its root are then the most recently used and outlive its tail, as a radix
     cache evicts leaves before the nodes they hang from.
+
+    Records of several ranks may share `holders`, a map from each block to the ranks
+    (bit `rank` of a mask) whose records hold it: one lookup a block then matches a prompt
+    against every rank at once (`Dispatcher._cache_aware`).
     """
 
-    def __init__(self, capacity_blocks: int) -> None:
+    def __init__(
+        self, capacity_blocks: int, holders: dict[int, int] | None = None, rank: int = 0
+    ) -> None:
         self.capacity_blocks = max(1, capacity_blocks)
         self._blocks: OrderedDict[int, None] = OrderedDict()
+        self._holders = holders
+        self._bit = 1 << rank
 
     def __len__(self) -> int:
         return len(self._blocks)
+
+    def __iter__(self) -> Iterator[int]:
+        """The recorded blocks, least recently used first."""
+        return iter(self._blocks)
 
     def match(self, hashes: Sequence[int]) -> int:
         """How many leading blocks of a prompt (given by its chained hashes) are recorded."""
@@ -86,31 +101,37 @@ class PrefixRecord:
 
     def insert(self, hashes: Sequence[int]) -> None:
         """Records a prompt's blocks, evicting the least recently used beyond capacity."""
-        blocks = self._blocks
+        blocks, holders, bit = self._blocks, self._holders, self._bit
         for h in reversed(hashes):
             if h in blocks:
                 blocks.move_to_end(h)
             else:
                 blocks[h] = None
+                if holders is not None:
+                    holders[h] = holders.get(h, 0) | bit
         while len(blocks) > self.capacity_blocks:
-            blocks.popitem(last=False)
+            self._forget(blocks.popitem(last=False)[0])
 
     def clear(self) -> None:
+        for h in self._blocks:
+            self._forget(h)
         self._blocks.clear()
 
+    def _forget(self, h: int) -> None:
+        """`h` left this record: this rank no longer holds it."""
+        holders = self._holders
+        if holders is not None:
+            left = holders[h] & ~self._bit
+            if left:
+                holders[h] = left
+            else:
+                del holders[h]
 
-def block_hashes(prompt_ids: Sequence[int], block: int = BLOCK_TOKENS) -> list[int]:
-    """The chained hashes of a prompt's whole blocks (a partial last block is left out).
 
-    Python hashes tuples of ints deterministically (no per-process salt), which is all the
-    record needs: it lives and dies with the frontend process.
-    """
-    out: list[int] = []
-    h = 0
-    for start in range(0, len(prompt_ids) - block + 1, block):
-        h = hash((h, *prompt_ids[start : start + block]))
-        out.append(h)
-    return out
+def block_hashes(prompt_ids: Sequence[int] | np.ndarray, block: int = BLOCK_TOKENS) -> list[int]:
+    """The chained hashes of a prompt's whole blocks (a partial last block is left out),
+    computed by the core (`rsgl._core.block_hashes`): the same in every process."""
+    return _core.block_hashes(prompt_ids, block)
 
 
 class NoLiveRank(RuntimeError):
@@ -153,9 +174,14 @@ class Dispatcher:
         self._inflight: dict[str, tuple[int, int]] = {}  # rid -> (rank, tokens counted)
         self._next = 0
         self.records: list[PrefixRecord] = []
+        # Every block some rank's record holds -> the mask of those ranks (cache_aware).
+        self._holders: dict[int, int] = {}
+        self._live_mask = (1 << dp_size) - 1
         if method == "cache_aware":
             caps = list(capacities) or [1 << 20] * dp_size
-            self.records = [PrefixRecord(c // BLOCK_TOKENS) for c in caps]
+            self.records = [
+                PrefixRecord(c // BLOCK_TOKENS, self._holders, rank) for rank, c in enumerate(caps)
+            ]
 
     @property
     def live_ranks(self) -> list[int]:
@@ -172,7 +198,11 @@ class Dispatcher:
         return tokens if self.context_length is None else min(tokens, self.context_length)
 
     def assign(
-        self, rid: str, prompt_ids: Sequence[int], tokens: int, rank: int | None = None
+        self,
+        rid: str,
+        prompt_ids: Sequence[int] | np.ndarray,
+        tokens: int,
+        rank: int | None = None,
     ) -> int:
         """Picks the rank for a request (or takes `rank`, a live one the caller chose) and
         counts it there until `release`. Raises NoLiveRank when every rank is dead."""
@@ -207,6 +237,7 @@ class Dispatcher:
         """Stops sending work to a dead rank; returns the requests still in flight there
         (the caller ends them, and releases them as they end)."""
         self.alive[rank] = False
+        self._live_mask &= ~(1 << rank)
         if self.records:
             self.records[rank].clear()
         return [rid for rid, (r, _) in self._inflight.items() if r == rank]
@@ -215,6 +246,15 @@ class Dispatcher:
         """The rank's prefix cache was flushed: its record is void."""
         if self.records:
             self.records[rank].clear()
+
+    def check(self) -> None:
+        """Raises AssertionError unless the block index is exactly the ranks' records."""
+        expected: dict[int, int] = {}
+        for rank, record in enumerate(self.records):
+            for h in record:
+                expected[h] = expected.get(h, 0) | 1 << rank
+        assert self._holders == expected, "the block index disagrees with the records"
+        assert self._live_mask == sum(1 << r for r in self.live_ranks)
 
     # ------------------------------------------------------------------ policies
 
@@ -235,8 +275,15 @@ class Dispatcher:
         assert hashes is not None
         return self._cache_aware(live, prompt_len, hashes)
 
-    def _least_loaded(self, live: list[int]) -> int:
-        return min(live, key=lambda r: (self.loads[r].requests, len(self.records[r]), r))
+    def _least_loaded(self, live: list[int], requests: list[int]) -> int:
+        """Of the live ranks (with `requests` in flight each): the fewest requests, then the
+        smallest record, then the lower rank."""
+        fewest = min(requests)
+        tied = [r for r, n in zip(live, requests, strict=True) if n == fewest]
+        if len(tied) == 1:
+            return tied[0]
+        records = self.records
+        return min((len(records[r]), r) for r in tied)[1]
 
     def _cache_aware(self, live: list[int], prompt_len: int, hashes: list[int]) -> int:
         requests = [self.loads[r].requests for r in live]
@@ -245,10 +292,32 @@ class Dispatcher:
             busiest - idlest > self.balance_abs_threshold
             and busiest > idlest * self.balance_rel_threshold
         ):
-            return self._least_loaded(live)
-        matched = {r: self.records[r].match(hashes) for r in live}
-        best = max(live, key=lambda r: (matched[r], -self.loads[r].requests, -r))
-        ratio = matched[best] * BLOCK_TOKENS / prompt_len if prompt_len else 0.0
-        if matched[best] and ratio >= self.cache_threshold:
-            return best
-        return self._least_loaded(live)
+            return self._least_loaded(live, requests)
+        matched, holders = self._deepest(hashes)
+        if matched and matched * BLOCK_TOKENS / prompt_len >= self.cache_threshold:
+            # Of the live ranks holding the longest prefix: the fewest in flight, then the
+            # lower rank.
+            return min(_ranks_of(holders), key=lambda r: (self.loads[r].requests, r))
+        return self._least_loaded(live, requests)
+
+    def _deepest(self, hashes: list[int]) -> tuple[int, int]:
+        """The most leading blocks of a prompt any live rank's record holds, and the mask of
+        the live ranks holding that many (0 blocks: every live rank)."""
+        holders, ranks = self._holders, self._live_mask
+        matched = 0
+        for h in hashes:
+            deeper = holders.get(h, 0) & ranks
+            if not deeper:
+                break
+            matched, ranks = matched + 1, deeper
+        return matched, ranks
+
+
+def _ranks_of(mask: int) -> list[int]:
+    """The ranks whose bits are set in `mask`, lowest first."""
+    ranks = []
+    while mask:
+        low = mask & -mask
+        ranks.append(low.bit_length() - 1)
+        mask ^= low
+    return ranks

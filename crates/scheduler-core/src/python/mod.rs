@@ -38,6 +38,7 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyFinished>()?;
     m.add_class::<PyFinishReason>()?;
     m.add_function(wrap_pyfunction!(default_config, m)?)?;
+    m.add_function(wrap_pyfunction!(block_hashes, m)?)?;
     m.add_class::<PyRadixTree>()?;
     m.add_class::<PyTokenPool>()?;
     m.add_class::<PyDetokenizer>()?;

@@ -239,12 +239,7 @@ class Simulation:
         self.prompt_lens[i] = len(prompt)
         self.sent[i] = now
         d = self.dispatcher
-        if d.dp_size == 1:
-            r = 0
-        else:
-            # Only the cache-aware method reads the ids (it hashes them into its records).
-            ids: list[int] = prompt.tolist() if d.method == "cache_aware" else []
-            r = d.assign(str(i), ids, d.cost(len(prompt), output_len))
+        r = 0 if d.dp_size == 1 else d.assign(str(i), prompt, d.cost(len(prompt), output_len))
         self.rank[i] = r
         self._in_flight += 1
         replica = self.replicas[r]
