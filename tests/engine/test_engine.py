@@ -17,7 +17,7 @@ from rsgl.cpu_features import default_cpu_threads
 from rsgl.engine import Engine
 from rsgl.errors import InvalidRequest
 from rsgl.layers.cpu_kernels import load_cpu_kernels
-from rsgl.layers.quant_linear import low_bit_max_rows
+from rsgl.layers.quant_linear import low_bit_max_rows, panel_max_rows
 from rsgl.model_executor.executor import run_on_compute_thread
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 24}
@@ -108,12 +108,15 @@ def test_gguf_blocks_decode_the_dequantized_models_tokens(engine: Engine) -> Non
     kernels = load_cpu_kernels()
     assert kernels is not None
     assert info["low_bit_max_rows"] == low_bit_max_rows(kernels, getattr(torch, info["dtype"]))
-    prompts = PROMPTS[::8]  # 4 requests: every decode step reads the blocks
-    blocks = [o["output_ids"] for o in engine.generate(prompts, GREEDY)]
+    assert info["low_bit_panel_max_rows"] == panel_max_rows(kernels, getattr(torch, info["dtype"]))
+    # 4 requests: every decode step reads the blocks through the row kernels; 12: through
+    # the panel kernel where it serves them (AVX2, float32), else the dense copy.
+    small, large = PROMPTS[::8], PROMPTS[:12]
+    blocks = [[o["output_ids"] for o in engine.generate(p, GREEDY)] for p in (small, large)]
     with make_engine(quantization="none") as llm:
         assert llm.get_server_info()["quantization"] == "none"
         assert llm.get_server_info()["low_bit_max_rows"] is None
-        dense = [o["output_ids"] for o in llm.generate(prompts, GREEDY)]
+        dense = [[o["output_ids"] for o in llm.generate(p, GREEDY)] for p in (small, large)]
     assert blocks == dense
 
 

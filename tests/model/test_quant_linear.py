@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,7 +18,14 @@ from kquants import QUANTIZERS, k_quant_copy, quantize_q3_k, quantize_q6_k
 from rsgl.args import EngineArgs
 from rsgl.engine import Engine
 from rsgl.layers.cpu_kernels import QUANT_FORMATS, CpuKernels, load_cpu_kernels
-from rsgl.layers.quant_linear import GGUFBlocks, GroupQuantized, QuantLinear
+from rsgl.layers.quant_linear import (
+    PANEL_MAX_ROWS,
+    GGUFBlocks,
+    GroupQuantized,
+    LowBitWeight,
+    QuantLinear,
+    panel_max_rows,
+)
 from rsgl.models.gguf_weights import (
     hf_name,
     q3_k_groups,
@@ -539,3 +547,87 @@ def test_load_time_groups_multiply_int8_activations(kernels: CpuKernels, form: s
     assert not torch.equal(got, exact.matmul(x))
     for start, stop in ((0, 1), (16, 17), (0, 5), (2, 11), (1, 17)):
         assert torch.equal(weight.matmul(x[start:stop].contiguous()), got[start:stop])
+
+
+def _panel_weight(kernels: CpuKernels, form: str, rows: int, k: int) -> LowBitWeight:
+    """A weight matrix in each form the panel kernel rebuilds: GGUF's blocks, and the
+    load-time groups (int4 in groups of 32 and per channel, int8 per channel, int8 with
+    minimums over every byte value, int8 in groups of 16 as Q6_K's are read)."""
+    if form in QUANT_FORMATS:
+        return GGUFBlocks(kernels, form, _random_blocks(form, rows, k, seed=21)[0])
+    if form == "int8-min":
+        return _signed_bytes_with_minimums(kernels, rows, k)
+    w = torch.randn(rows, k, generator=torch.Generator().manual_seed(22)) * 0.05
+    if form == "int8-16":
+        return _groups_of_16(kernels, w)
+    return GroupQuantized.quantize(kernels, w, int(form[3]), 32 if form == "int4-32" else k)
+
+
+def _groups_of_16(kernels: CpuKernels, w: torch.Tensor) -> GroupQuantized:
+    """int8 with a scale per 16 weights (the form Q6_K and Q3_K super-blocks are read in)."""
+    rows, k = w.shape
+    groups = w.reshape(rows, k // 16, 16)
+    scales = groups.abs().amax(-1) / 127
+    q = (groups / scales[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return GroupQuantized(kernels, 8, 16, q.reshape(rows, k).view(torch.uint8), scales, None)
+
+
+@pytest.mark.parametrize(
+    "form",
+    [*QUANT_FORMATS, "int4-32", "int4-per-channel", "int8-per-channel", "int8-min", "int8-16"],
+)
+def test_the_panel_kernel_multiplies_the_same_weights_in_one_order_per_row(
+    kernels: CpuKernels, form: str
+) -> None:
+    # 67 weight rows (no whole number of 6- or 12-row panels), 67 blocks a row (odd, past a
+    # chunk of 64 headers) and 37 rows of x: two tiles of 16 and one of 5.
+    rows, k, m = 67, 32 * 67, 37
+    weight = _panel_weight(kernels, form, rows, k)
+    dense = weight.rows(torch.arange(rows)).double()
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(23))
+    x[3] = 0.0
+    got = weight.matmul(x, panel=True)
+    bound = 1e-6 * k * (x.double().abs() @ dense.abs().T) + 1e-30
+    assert ((got.double() - x.double() @ dense.T).abs() <= bound).all()
+    # The same numbers as the dense model: rows of the identity give W^T exactly.
+    eye = torch.eye(k)[:40].contiguous()
+    assert torch.equal(weight.matmul(eye, panel=True), dense.T[:40].float())
+    # Each row summed in one order whatever the batch and wherever its tile puts it: 12-row
+    # panels (up to 8 rows), 6-row panels against tiles of 16 and a last one of 8.
+    for start, stop in ((0, 1), (4, 5), (0, 8), (3, 11), (5, 17), (8, 24), (20, 37), (1, 33)):
+        assert torch.equal(weight.matmul(x[start:stop].contiguous(), panel=True), got[start:stop])
+    assert weight.matmul(x[:0], panel=True).shape == (0, rows)
+
+
+def test_the_panel_kernel_takes_float32_activations_only(kernels: CpuKernels) -> None:
+    blocks, _ = _random_blocks("Q4_1", 8, 64, seed=24)
+    with pytest.raises(ValueError, match="float32 activations"):
+        kernels.qlinear(torch.zeros(6, 64, dtype=torch.bfloat16), blocks, "Q4_1", panel=True)
+    with pytest.raises(ValueError, match="float32 activations"):
+        kernels.qlinear(torch.zeros(6, 64), blocks, "Q4_1", int8_activations=True, panel=True)
+
+
+def test_a_linear_takes_rows_then_panel_then_dense_kernels_by_batch(kernels: CpuKernels) -> None:
+    blocks, _ = _random_blocks("Q4_1", 16, 64, seed=25)
+    other = torch.nn.Linear(64, 16, bias=False)  # differs from the blocks: shows which ran
+    layer = QuantLinear(GGUFBlocks(kernels, "Q4_1", blocks), other, None, 4, panel_rows=9)
+    x = torch.randn(10, 64, generator=torch.Generator().manual_seed(26))
+    with torch.no_grad():
+        assert torch.equal(layer(x[:4]), kernels.qlinear(x[:4].contiguous(), blocks, "Q4_1"))
+        five = kernels.qlinear(x[:5].contiguous(), blocks, "Q4_1", panel=True)
+        assert torch.equal(layer(x[:5]), five)
+        nine = kernels.qlinear(x[:9].contiguous(), blocks, "Q4_1", panel=True)
+        assert torch.equal(layer(x[:9]), nine)
+        assert torch.equal(layer(x), other(x))
+    assert [layer.serves(n) for n in (4, 9, 10)] == [True, True, False]
+    assert "panel_above=4" in repr(layer) and "dense_above=9" in repr(layer)
+
+
+def test_the_panel_kernel_serves_avx2_float32_batches_only() -> None:
+    avx2 = SimpleNamespace(isa=("avx2", "fma", "f16c"))
+    assert panel_max_rows(avx2, torch.float32) == PANEL_MAX_ROWS  # type: ignore[arg-type]
+    assert panel_max_rows(avx2, torch.bfloat16) == 0  # type: ignore[arg-type]
+    assert panel_max_rows(avx2, torch.float32, int8_activations=True) == 0  # type: ignore[arg-type]
+    avx512 = SimpleNamespace(isa=("avx2", "fma", "f16c", "avx512f"))
+    assert panel_max_rows(avx512, torch.float32) == 0  # type: ignore[arg-type]
+    assert panel_max_rows(SimpleNamespace(isa=()), torch.float32) == 0  # type: ignore[arg-type]

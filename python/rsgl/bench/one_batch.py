@@ -125,7 +125,7 @@ def matmul_roofline_step_s(
 def _matrix_bytes(module: torch.nn.Module, rows: int) -> int:
     """Weight bytes `module` (a projection as the model holds it) reads for `rows` rows."""
     if isinstance(module, QuantLinear):
-        if module.dense is None or rows <= module.max_rows:
+        if module.dense is None or module.serves(rows):
             return module.weight.nbytes
         return _matrix_bytes(module.dense, rows)
     if isinstance(module, PackedLinear):
@@ -144,7 +144,7 @@ def weight_bytes_per_step(model: LlamaForCausalLM, rows: int) -> int:
         total += _matrix_bytes(layer.mlp.gate_up_proj, rows)
         total += _matrix_bytes(layer.mlp.down_proj, rows)
     head = model.low_bit_lm_head
-    if head is not None and rows <= head.max_rows:
+    if head is not None and head.serves(rows):
         return total + _matrix_bytes(head, rows)
     weight = model.model.embed_tokens.weight
     return total + weight.numel() * weight.element_size()

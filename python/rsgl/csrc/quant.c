@@ -22,7 +22,9 @@
    differs.
 
    Every row of x is reduced in one fixed order whatever M is (32 lanes over the blocks,
-   then a fixed tree), so a request's logits do not depend on the batch it ran in.
+   then a fixed tree), so a request's logits do not depend on the batch it ran in. Batches
+   past the row kernels' (on AVX2, float32: qlinear_panel_f32) go through a panel kernel that
+   keeps that property among the batches it serves, in an order of its own.
 
    x and y are float32 (_f32) or bfloat16 (_bf16: x widened to float32 once, y rounded
    once, as a bfloat16 linear with float32 accumulation rounds). */
@@ -273,6 +275,16 @@ static void interleave_x(const float* x, int64_t n, float* out) {
             for (int j = 0; j < 8; j++) out[b + 8 * r + j] = x[b + 4 * j + r];
 }
 
+/* The n values of x in the order the kernels read them for weights of format fmt: a new
+   buffer (the caller frees it) for the nibble formats, NULL where x serves as it is. */
+static float* nibble_order(int fmt, const float* x, int64_t n) {
+    if (int8_quants(fmt)) return NULL;
+    float* out = (float*)malloc((size_t)n * sizeof(float));
+    if (!out) abort();
+    interleave_x(x, n, out);
+    return out;
+}
+
 /* Rows x[0 .. R) of x times weight rows n .. n + W - 1 (R and W constants of 1 or 2 in each
    inlined copy, R * W <= 2: eight sums, the sixteen registers' share), into y[r * N + n + i].
    Each block is rebuilt once for the tile, and each (row, weight row) product is summed in
@@ -474,13 +486,8 @@ static inline __attribute__((always_inline)) void row_tiles(const int fmt, const
 static void qlinear_f32(const QMat* a, const float* x, int64_t M, int64_t K, int64_t N,
                         float* y, int threads) {
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    float* interleaved = NULL;
-    if (!int8_quants(a->fmt)) {
-        interleaved = (float*)malloc((size_t)(M * K) * sizeof(float));
-        if (!interleaved) abort();
-        interleave_x(x, M * K, interleaved);
-        x = interleaved;
-    }
+    float* interleaved = nibble_order(a->fmt, x, M * K);
+    if (interleaved) x = interleaved;
 #endif
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N * M * K >= 65536)
     for (int64_t n = 0; n < N; n += 2) {
@@ -511,6 +518,139 @@ static void qlinear_bf16(const QMat* a, const uint16_t* x, int64_t M, int64_t K,
     free(xf);
 }
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* Batches of more rows than the row kernels serve well (qlinear_panel_f32). A pair of rows
+   of x rebuilds every weight again in dot_tile, so past a few rows the rebuilds, not the
+   bytes, bound it, and a dot product's multiply-adds (both operands loaded) run at half the
+   rate of a GEMM's. Here a panel of PANEL_ROWS weight rows is rebuilt once into floats, and
+   x's rows go down the lanes: for each k, a register of x's column k (8 or 16 rows) and one
+   broadcast weight per weight row, a multiply-add into each (weight row, rows) accumulator,
+   the panel's 12 registers of sums staying in registers over the whole of K. Each sum is
+   one lane summed in the order of k, whatever the batch, the tile or the thread: rows get
+   the same bits in any batch this kernel serves (not the row kernels' bits: their lanes
+   and tree sum in another order). */
+#define PANEL_ROWS 12
+
+/* Weight rows n .. n + rows - 1 of a as floats into w[r * K ..], in the order dequant_block8
+   gives (the nibble formats' interleaved), each weight the value the row kernels rebuild. */
+static inline __attribute__((always_inline)) void panel_weights(const int fmt, const QMat* a,
+                                                                int64_t n, int64_t rows,
+                                                                int64_t nb, float* w) {
+    const int gguf = !load_time(fmt);
+    const int64_t per = blocks_per_scale(fmt, a);
+    float dm[2 * HEADER_CHUNK + 16];
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t g = 0, next = per;
+        for (int64_t c0 = 0; c0 < nb; c0 += HEADER_CHUNK) {
+            const int64_t c1 = c0 + HEADER_CHUNK < nb ? c0 + HEADER_CHUNK : nb;
+            if (gguf) gguf_headers(fmt, a->w + (n + r) * a->row_bytes, c0, c1 - c0, dm);
+            for (int64_t k = c0; k < c1; k++) {
+                if (k == next) g += scales_per_block(fmt), next += per;
+                const float *d = NULL, *m = NULL;
+                __m256 v[4];
+                const uint8_t* q = block_parts(fmt, a, n + r, k, g, c0, dm, &d, &m);
+                dequant_block8(fmt, q, d, m, v);
+                float* out = w + (r * nb + k) * QK;
+                for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + 8 * j, v[j]);
+            }
+        }
+    }
+}
+
+/* The panel w (R rows of K floats) times a tile of x's rows (xt: column k's 8 * V rows at
+   xt[k * 8V]; R * V <= 12 and V = 1 or 2, constants in each copy), the sums into
+   out[r * 8V + lane]. */
+static inline __attribute__((always_inline)) void panel_tile(const float* w, const float* xt,
+                                                             int64_t K, const int R,
+                                                             const int V, float* out) {
+    __m256 acc[PANEL_ROWS][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const __m256 x0 = _mm256_loadu_ps(xt + k * 8 * V);
+        const __m256 x1 = V == 2 ? _mm256_loadu_ps(xt + k * 16 + 8) : x0;
+#pragma GCC unroll 12
+        for (int r = 0; r < R; r++) {
+            const __m256 b = _mm256_broadcast_ss(w + r * K + k);
+            acc[r][0] = _mm256_fmadd_ps(x0, b, acc[r][0]);
+            if (V == 2) acc[r][1] = _mm256_fmadd_ps(x1, b, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < V; v++) _mm256_storeu_ps(out + r * 8 * V + 8 * v, acc[r][v]);
+}
+
+/* The width of tile t of x's rows (rows 16t on): 16, but 8 when 8 or fewer rows are left. */
+static inline int64_t tile_width(int64_t M, int64_t t) { return M - 16 * t > 8 ? 16 : 8; }
+
+/* y[M, N] = x[M, K] . W^T, x float32 (interleaved for the nibble formats, as qlinear_f32
+   reads it). A batch of up to 8 rows takes panels of 12 weight rows, a larger one panels of
+   6 against tiles of 16 rows (the last tile 8 wide if it can be): twelve accumulators but
+   for that last tile. Threads split the panels; each rebuilds its panel once for all the
+   tiles. */
+static void panel_f32(const QMat* a, const float* x, int64_t M, int64_t K, int64_t N, float* y,
+                      int threads) {
+    const int64_t nb = K / QK, rows = M > 8 ? PANEL_ROWS / 2 : PANEL_ROWS;
+    const int64_t tiles = (M + 15) / 16;
+    /* Column k of tile t at xt[t * 16K + k * width ..], zero past M. */
+    float* xt = (float*)calloc((size_t)(tiles * K * 16), sizeof(float));
+    if (!xt) abort();
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t width = tile_width(M, t);
+        for (int64_t j = 0; j < width && 16 * t + j < M; j++)
+            for (int64_t k = 0; k < K; k++)
+                xt[t * K * 16 + k * width + j] = x[(16 * t + j) * K + k];
+    }
+#pragma omp parallel num_threads(threads) if (threads > 1 && N * M * K >= 65536)
+    {
+        float* w = (float*)malloc((size_t)(rows * K + 16 * PANEL_ROWS) * sizeof(float));
+        if (!w) abort();
+        float* sums = w + rows * K;
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n += rows) {
+            /* A last panel past N: its missing rows zero. */
+            const int64_t live = N - n < rows ? N - n : rows;
+            memset(w + live * K, 0, (size_t)((rows - live) * K) * sizeof(float));
+            switch (a->fmt) {
+                case Q4_0: panel_weights(Q4_0, a, n, live, nb, w); break;
+                case Q4_1: panel_weights(Q4_1, a, n, live, nb, w); break;
+                case Q8_0: panel_weights(Q8_0, a, n, live, nb, w); break;
+                case I4: panel_weights(I4, a, n, live, nb, w); break;
+                case I8: panel_weights(I8, a, n, live, nb, w); break;
+                case I8M: panel_weights(I8M, a, n, live, nb, w); break;
+                default: panel_weights(I8H, a, n, live, nb, w); break;
+            }
+            for (int64_t t = 0; t < tiles; t++) {
+                const int64_t width = tile_width(M, t);
+                const float* xtile = xt + t * K * 16;
+                if (rows == PANEL_ROWS) panel_tile(w, xtile, K, PANEL_ROWS, 1, sums);
+                else if (width == 16) panel_tile(w, xtile, K, PANEL_ROWS / 2, 2, sums);
+                else panel_tile(w, xtile, K, PANEL_ROWS / 2, 1, sums);
+                for (int64_t r = 0; r < live; r++)
+                    for (int64_t j = 0; j < width && 16 * t + j < M; j++)
+                        y[(16 * t + j) * N + n + r] = sums[r * width + j];
+            }
+        }
+        free(w);
+    }
+    free(xt);
+}
+#endif
+
+/* y = x . W^T for batches past the row kernels' (see panel_f32); where that kernel is not
+   built (AVX-512, whose row kernels rebuild a weight row once for 8 rows of x, or no AVX2),
+   the row kernels. */
+static void qlinear_panel_f32(const QMat* a, const float* x, int64_t M, int64_t K, int64_t N,
+                              float* y, int threads) {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    float* interleaved = nibble_order(a->fmt, x, M * K);
+    if (interleaved) x = interleaved;
+    panel_f32(a, x, M, K, N, y, threads);
+    free(interleaved);
+#else
+    qlinear_f32(a, x, M, K, N, y, threads);
+#endif
+}
+
 /* Rows `ids` of W as floats into out[n, K]: an embedding lookup, or a check of the blocks. */
 static void dequant_rows(const QMat* a, int64_t K, const int64_t* ids, int64_t n, float* out) {
     for (int64_t i = 0; i < n; i++)
@@ -523,6 +663,12 @@ static void dequant_rows(const QMat* a, int64_t K, const int64_t* ids, int64_t n
                                    int64_t N, float* y, int threads) {                       \
         const QMat a = gguf_mat(fmt, w, K);                                                  \
         qlinear_f32(&a, x, M, K, N, y, threads);                                             \
+    }                                                                                        \
+    void rsgl_qlinear_panel_##name##_f32(const float* x, int64_t M, int64_t K,               \
+                                         const uint8_t* w, int64_t N, float* y,              \
+                                         int threads) {                                      \
+        const QMat a = gguf_mat(fmt, w, K);                                                  \
+        qlinear_panel_f32(&a, x, M, K, N, y, threads);                                       \
     }                                                                                        \
     void rsgl_qlinear_##name##_bf16(const uint16_t* x, int64_t M, int64_t K,                 \
                                     const uint8_t* w, int64_t N, uint16_t* y, int threads) { \
@@ -544,6 +690,13 @@ void rsgl_qlinear_group_f32(int bits, const float* x, int64_t M, int64_t K, cons
                             float* y, int threads) {
     const QMat a = group_mat(bits, w, scales, mins, K, group);
     qlinear_f32(&a, x, M, K, N, y, threads);
+}
+
+void rsgl_qlinear_group_panel_f32(int bits, const float* x, int64_t M, int64_t K,
+                                  const uint8_t* w, const float* scales, const float* mins,
+                                  int64_t group, int64_t N, float* y, int threads) {
+    const QMat a = group_mat(bits, w, scales, mins, K, group);
+    qlinear_panel_f32(&a, x, M, K, N, y, threads);
 }
 
 void rsgl_qlinear_group_bf16(int bits, const uint16_t* x, int64_t M, int64_t K,

@@ -42,7 +42,7 @@ class RowParallelLinear(nn.Module):
         self.group = group
         self.packed: PackedLinear | None = None
         # Set when the projection also has low-bit weights (rsgl.layers.quant_linear): read
-        # by batches of up to its max_rows rows, the dense weight by larger ones.
+        # by the batches it serves (`QuantLinear.serves`), the dense weight by larger ones.
         self.low_bit: QuantLinear | None = None
 
     def pack(self) -> None:
@@ -54,7 +54,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor
         low_bit = self.low_bit
-        if low_bit is not None and x.shape[0] <= low_bit.max_rows:
+        if low_bit is not None and low_bit.serves(x.shape[0]):
             out = low_bit(x)
         elif self.packed is not None:
             out = self.packed(x)
