@@ -110,7 +110,8 @@ def test_gguf_blocks_decode_the_dequantized_models_tokens(engine: Engine) -> Non
     assert info["low_bit_max_rows"] == low_bit_max_rows(kernels, getattr(torch, info["dtype"]))
     assert info["low_bit_panel_max_rows"] == panel_max_rows(kernels, getattr(torch, info["dtype"]))
     # 4 requests: every decode step reads the blocks through the row kernels; 12: through
-    # the panel kernel where it serves them (AVX2, float32), else the dense copy.
+    # the panel kernel where it serves them (AVX2, float32), else the row kernels or the
+    # dense copy, as this CPU's limits say.
     small, large = PROMPTS[::8], PROMPTS[:12]
     blocks = [[o["output_ids"] for o in engine.generate(p, GREEDY)] for p in (small, large)]
     with make_engine(quantization="none") as llm:

@@ -4,6 +4,7 @@ under load the tests set up by hand, and a dead rank gets nothing more."""
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 
@@ -138,11 +139,14 @@ def test_the_prefix_record_is_bounded_and_evicts_tails_before_roots() -> None:
     assert block_hashes(prompt(1, BLOCK_TOKENS - 1)) == []
 
 
-def reference_cache_aware(d: Dispatcher, records: list[PrefixRecord], ids: list[int]) -> int:
+def reference_cache_aware(
+    d: Dispatcher, records: list[PrefixRecord], ids: list[int], branches: Counter[str]
+) -> int:
     """The cache-aware rule written out rank by rank: each live rank's own record matched
     against the prompt, the longest match winning (fewest in flight, then the lower rank)
     when it covers the threshold, else the least-loaded rank (fewest in flight, smallest
-    record, lower rank); balance first when the load is badly skewed."""
+    record, lower rank); balance first when the load is badly skewed. Counts the branch
+    taken in `branches`."""
     live = d.live_ranks
 
     def least_loaded() -> int:
@@ -153,12 +157,16 @@ def reference_cache_aware(d: Dispatcher, records: list[PrefixRecord], ids: list[
         max(requests) - min(requests) > d.balance_abs_threshold
         and max(requests) > min(requests) * d.balance_rel_threshold
     ):
+        branches["balance"] += 1
         return least_loaded()
     hashes = block_hashes(ids)
     matched = {r: records[r].match(hashes) for r in live}
     best = max(live, key=lambda r: (matched[r], -d.loads[r].requests, -r))
     if matched[best] and matched[best] * BLOCK_TOKENS / len(ids) >= d.cache_threshold:
+        tied = sum(matched[r] == matched[best] for r in live)
+        branches["prefix, one rank" if tied == 1 else "prefix, ranks tied"] += 1
         return best
+    branches["short match" if matched[best] else "no match"] += 1
     return least_loaded()
 
 
@@ -174,13 +182,14 @@ def test_cache_aware_matches_every_rank_at_once_as_rank_by_rank(seed: int) -> No
     mirror = [PrefixRecord(capacity // BLOCK_TOKENS) for _ in range(ranks)]
     prefixes = [prompt(seed * 100 + g, rng.randrange(1, 12) * BLOCK_TOKENS) for g in range(12)]
     in_flight: list[str] = []
+    branches: Counter[str] = Counter()
     for i in range(600):
         if rng.random() < 0.8:
             ids = rng.choice(prefixes)[: rng.randrange(BLOCK_TOKENS, 12 * BLOCK_TOKENS)]
         else:
             ids = []
         ids = ids + prompt(seed * 10_000 + i, rng.randrange(1, 3 * BLOCK_TOKENS))
-        expected = reference_cache_aware(d, mirror, ids)
+        expected = reference_cache_aware(d, mirror, ids, branches)
         assert d.assign(str(i), ids, len(ids) + 16) == expected, i
         mirror[expected].insert(block_hashes(ids))
         in_flight.append(str(i))
@@ -196,3 +205,11 @@ def test_cache_aware_matches_every_rank_at_once_as_rank_by_rank(seed: int) -> No
             mirror[5].clear()
         d.check()
         assert [len(r) for r in d.records] == [len(r) for r in mirror]
+    # Every way the rule can decide was taken.
+    assert set(branches) == {
+        "balance",
+        "prefix, one rank",
+        "prefix, ranks tied",
+        "short match",
+        "no match",
+    }, branches

@@ -602,7 +602,7 @@ static void panel_f32(const QMat* a, const float* x, int64_t M, int64_t K, int64
     }
 #pragma omp parallel num_threads(threads) if (threads > 1 && N * M * K >= 65536)
     {
-        float* w = (float*)malloc((size_t)(rows * K + 16 * PANEL_ROWS) * sizeof(float));
+        float* w = (float*)malloc((size_t)(rows * K + 8 * PANEL_ROWS) * sizeof(float));
         if (!w) abort();
         float* sums = w + rows * K;
 #pragma omp for schedule(static)

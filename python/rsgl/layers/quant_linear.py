@@ -61,7 +61,7 @@ def panel_max_rows(kernels: CpuKernels, dtype: torch.dtype, int8_activations: bo
     """The rows up to which projections past the row kernels' `low_bit_max_rows` read the
     low-bit weights through the panel kernel (0: never; it is AVX2's, for float32
     activations: the AVX-512 row kernels already rebuild a weight row once for 8 rows)."""
-    if "avx512f" in kernels.isa or "avx2" not in kernels.isa:
+    if "avx512f" in kernels.isa or not {"avx2", "fma", "f16c"} <= set(kernels.isa):
         return 0
     return PANEL_MAX_ROWS if dtype == torch.float32 and not int8_activations else 0
 
@@ -104,7 +104,7 @@ class GGUFBlocks:
     def nbytes(self) -> int:
         return int(self.data.numel())
 
-    def matmul(self, x: torch.Tensor, panel: bool = False) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, *, panel: bool = False) -> torch.Tensor:
         return self.kernels.qlinear(x, self.data, self.fmt, self.int8_activations, panel=panel)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -168,7 +168,7 @@ class GroupQuantized:
         extra = 0 if self.mins is None else self.mins.numel() * 4
         return int(self.q.numel() + self.scales.numel() * 4 + extra)
 
-    def matmul(self, x: torch.Tensor, panel: bool = False) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, *, panel: bool = False) -> torch.Tensor:
         return self.kernels.qlinear_group(
             self.bits,
             x,
@@ -192,7 +192,7 @@ LowBitWeight = GGUFBlocks | GroupQuantized
 class QuantLinear(nn.Module):
     """`y = x @ W.T (+ bias)` with W held in low-bit form (`weight`), and optionally as a
     dense module of the same values, used for batches of more than `max_rows` rows (more
-    than `panel_rows` where the panel kernel takes the batches between the two)."""
+    than `panel_rows` where the panel kernel takes the float32 batches between the two)."""
 
     bias: torch.Tensor | None
 
@@ -221,7 +221,8 @@ class QuantLinear(nn.Module):
         if self.dense is not None and not self.serves(rows):
             out: torch.Tensor = self.dense(x)
             return out
-        y = self.weight.matmul(x.contiguous(), panel=rows > self.max_rows and self.panel_rows > 0)
+        panel = self.max_rows < rows <= self.panel_rows and x.dtype == torch.float32
+        y = self.weight.matmul(x.contiguous(), panel=panel)
         return y if self.bias is None else y.add_(self.bias)
 
     def extra_repr(self) -> str:

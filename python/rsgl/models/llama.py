@@ -405,8 +405,9 @@ class LlamaForCausalLM(nn.Module):
         """Quantize every projection to `bits` (8: symmetric int8, 4: asymmetric int4) in
         groups of `group` input weights (None: int8 per output channel, int4 groups of 32),
         and the LM head to int8 per channel; the dense weights are overwritten with the
-        quantized values (the tied embedding too), so batches above `max_rows` rows, which
-        use them, compute with the same numbers. Returns how many matrices."""
+        quantized values (the tied embedding too), so batches past the low-bit kernels'
+        rows (`max_rows`, `panel_rows`), which use them, compute with the same numbers.
+        Returns how many matrices."""
         self._check_low_bit()
         count = 0
         for owner, attr, _ in self._projections():

@@ -253,8 +253,10 @@ class Dispatcher:
         for rank, record in enumerate(self.records):
             for h in record:
                 expected[h] = expected.get(h, 0) | 1 << rank
-        assert self._holders == expected, "the block index disagrees with the records"
-        assert self._live_mask == sum(1 << r for r in self.live_ranks)
+        if self._holders != expected:
+            raise AssertionError("the block index disagrees with the ranks' records")
+        if self._live_mask != sum(1 << r for r in self.live_ranks):
+            raise AssertionError("the live-rank mask disagrees with the live ranks")
 
     # ------------------------------------------------------------------ policies
 

@@ -58,17 +58,3 @@ pub(super) fn writable<'py>(
 pub(super) fn array<'py>(py: Python<'py>, v: Vec<i64>) -> Py<PyArray1<i64>> {
     PyArray1::from_vec(py, v).unbind()
 }
-
-/// The chained hashes of a prompt's whole blocks of `block` tokens (`crate::block_hashes`):
-/// what the data-parallel dispatcher's prefix records hold.
-#[pyfunction]
-#[pyo3(signature = (tokens, block))]
-pub(super) fn block_hashes(tokens: &Bound<'_, PyAny>, block: usize) -> PyResult<Vec<u64>> {
-    if block == 0 {
-        return Err(PyValueError::new_err("block must be at least 1"));
-    }
-    Ok(crate::block_hashes(
-        &extract_tokens(tokens, "tokens")?,
-        block,
-    ))
-}

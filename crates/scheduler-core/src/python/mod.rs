@@ -13,6 +13,7 @@ use crate::radix::RadixTree;
 use crate::request::{FinishReason, SamplingLimits};
 use crate::scheduler::{AbortStatus, CoreError, Finished, Plan, Scheduler, SchedulerConfig};
 
+mod block_hash;
 mod convert;
 mod detokenizer;
 mod finish_reason;
@@ -21,6 +22,7 @@ mod pool;
 mod radix;
 mod scheduler;
 
+use block_hash::*;
 use convert::*;
 use detokenizer::*;
 use finish_reason::*;
