@@ -80,25 +80,22 @@ class ModelStack:
             "compute_cpus": list(self.compute_cpus),
             # How the weights are held (`--quantization` resolved: gguf or none).
             "quantization": getattr(getattr(self.runner, "loaded", None), "quantization", "none"),
-            # Steps of up to this many rows read the low-bit weights through the row
-            # kernels (`rsgl.layers.quant_linear.low_bit_max_rows`; None: no low-bit weights),
-            # larger ones up to the panel's rows through the panel kernel (0: none;
-            # `panel_max_rows`), the rest the dense copy.
+            # Steps of up to this many rows read the low-bit weights
+            # (`rsgl.layers.quant_linear.low_bit_max_rows`; None: no low-bit weights), larger
+            # ones the dense copy.
             "low_bit_max_rows": self.low_bit_max_rows(),
-            "low_bit_panel_max_rows": self.low_bit_max_rows(panel=True),
             "tp_size": max(1, len(self.tp_shards)),
             "tp_shards": [shard.to_dict() for shard in self.tp_shards],
         }
 
-    def low_bit_max_rows(self, panel: bool = False) -> int | None:
-        """The most rows a step may have and still read the low-bit weights through the row
-        kernels (`panel`: through the panel kernel, 0 where it serves none; None: no low-bit
-        weights)."""
+    def low_bit_max_rows(self) -> int | None:
+        """The most rows a step may have and still read the low-bit weights (None: no
+        low-bit weights)."""
         model = getattr(getattr(self.runner, "loaded", None), "model", None)
         if model is None:
             return None
         modules = [m for m in model.modules() if isinstance(m, QuantLinear)]
-        rows = [m.panel_rows if panel else m.max_rows for m in modules]
+        rows = [m.max_rows for m in modules]
         return max(rows) if rows else None
 
 

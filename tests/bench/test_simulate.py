@@ -420,9 +420,6 @@ def test_the_calibration_grid_gains_the_low_bit_switch() -> None:
     # Nothing outside the grid's range, nothing without low-bit weights.
     assert calibrate.with_low_bit_switch(grid, 64) == grid
     assert calibrate.with_low_bit_switch(grid, None) == grid
-    # The panel kernel's end is a second switch (0: it serves no batch).
-    assert calibrate.with_low_bit_switch(grid, 4, 16) == [1, 2, 4, 5, 8, 16, 17, 32, 64]
-    assert calibrate.with_low_bit_switch(grid, 4, 0) == [1, 2, 4, 5, 8, 16, 32, 64]
 
 
 def test_a_calibration_grid_with_holes_is_refused() -> None:

@@ -17,7 +17,7 @@ from rsgl.cpu_features import default_cpu_threads
 from rsgl.engine import Engine
 from rsgl.errors import InvalidRequest
 from rsgl.layers.cpu_kernels import load_cpu_kernels
-from rsgl.layers.quant_linear import low_bit_max_rows, panel_max_rows
+from rsgl.layers.quant_linear import low_bit_max_rows
 from rsgl.model_executor.executor import run_on_compute_thread
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 24}
@@ -99,19 +99,18 @@ def test_batched_outputs_match_solo_outputs(engine: Engine, baseline: list[list[
 
 def test_gguf_blocks_decode_the_dequantized_models_tokens(engine: Engine) -> None:
     # The embedded GGUF is served from its own Q4_1/Q8_0 blocks by default: decode steps of
-    # up to 4 rows read the blocks, larger steps (the prefill) a dense copy. The weights
-    # are the same numbers as the dequantized model's, so only summation order differs and
-    # greedy tokens must not change (a wrong block layout or scale garbles every answer).
+    # up to `low_bit_max_rows` rows read the blocks, larger steps (the prefill) a dense
+    # copy. The weights are the same numbers as the dequantized model's, so only summation
+    # order differs and greedy tokens must not change (a wrong block layout or scale garbles
+    # every answer).
     info = engine.get_server_info()
     assert info["quantization"] == "gguf"
     # How many rows read them (the rest the dense copy), as this machine's kernels decide.
     kernels = load_cpu_kernels()
     assert kernels is not None
     assert info["low_bit_max_rows"] == low_bit_max_rows(kernels, getattr(torch, info["dtype"]))
-    assert info["low_bit_panel_max_rows"] == panel_max_rows(kernels, getattr(torch, info["dtype"]))
-    # 4 requests: every decode step reads the blocks through the row kernels; 12: through
-    # the panel kernel where it serves them (AVX2, float32), else the row kernels or the
-    # dense copy, as this CPU's limits say.
+    # 4 requests: every decode step reads the blocks in one tile of rows; 12: in two tiles
+    # where the blocks serve them (AVX2 and AVX-512), else the dense copy.
     small, large = PROMPTS[::8], PROMPTS[:12]
     blocks = [[o["output_ids"] for o in engine.generate(p, GREEDY)] for p in (small, large)]
     with make_engine(quantization="none") as llm:

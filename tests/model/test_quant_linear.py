@@ -19,12 +19,13 @@ from rsgl.args import EngineArgs
 from rsgl.engine import Engine
 from rsgl.layers.cpu_kernels import QUANT_FORMATS, CpuKernels, load_cpu_kernels
 from rsgl.layers.quant_linear import (
-    PANEL_MAX_ROWS,
+    DEFAULT_MAX_ROWS,
+    INT8_ACTIVATIONS_MAX_ROWS,
     GGUFBlocks,
     GroupQuantized,
     LowBitWeight,
     QuantLinear,
-    panel_max_rows,
+    low_bit_max_rows,
 )
 from rsgl.models.gguf_weights import (
     hf_name,
@@ -549,8 +550,8 @@ def test_load_time_groups_multiply_int8_activations(kernels: CpuKernels, form: s
         assert torch.equal(weight.matmul(x[start:stop].contiguous()), got[start:stop])
 
 
-def _panel_weight(kernels: CpuKernels, form: str, rows: int, k: int) -> LowBitWeight:
-    """A weight matrix in each form the panel kernel rebuilds: GGUF's blocks, and the
+def _weight_in(kernels: CpuKernels, form: str, rows: int, k: int) -> LowBitWeight:
+    """A weight matrix in each form the float32 kernels rebuild: GGUF's blocks, and the
     load-time groups (int4 in groups of 32 and per channel, int8 per channel, int8 with
     minimums over every byte value, int8 in groups of 16 as Q6_K's are read)."""
     if form in QUANT_FORMATS:
@@ -576,62 +577,41 @@ def _groups_of_16(kernels: CpuKernels, w: torch.Tensor) -> GroupQuantized:
     "form",
     [*QUANT_FORMATS, "int4-32", "int4-per-channel", "int8-per-channel", "int8-min", "int8-16"],
 )
-def test_the_panel_kernel_multiplies_the_same_weights_in_one_order_per_row(
+def test_every_form_multiplies_the_same_weights_in_one_order_per_row(
     kernels: CpuKernels, form: str
 ) -> None:
-    # 67 weight rows (no whole number of 6- or 12-row panels), 67 blocks a row (odd, past a
-    # chunk of 64 headers) and 37 rows of x: two tiles of 16 and one of 5.
+    # 67 weight rows (no whole number of the 4 or 2 a tile takes), 67 blocks a row (odd,
+    # past a chunk of 64 headers) and 37 rows of x.
     rows, k, m = 67, 32 * 67, 37
-    weight = _panel_weight(kernels, form, rows, k)
+    weight = _weight_in(kernels, form, rows, k)
     dense = weight.rows(torch.arange(rows)).double()
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(23))
     x[3] = 0.0
-    got = weight.matmul(x, panel=True)
-    bound = 1e-6 * k * (x.double().abs() @ dense.abs().T) + 1e-30
-    assert ((got.double() - x.double() @ dense.T).abs() <= bound).all()
+    got = weight.matmul(x[:16].contiguous())
+    bound = 1e-6 * k * (x[:16].double().abs() @ dense.abs().T) + 1e-30
+    assert ((got.double() - x[:16].double() @ dense.T).abs() <= bound).all()
     # The same numbers as the dense model: rows of the identity give W^T exactly.
     eye = torch.eye(k)[:40].contiguous()
-    assert torch.equal(weight.matmul(eye, panel=True), dense.T[:40].float())
-    # Each row summed in one order whatever the batch and wherever its tile puts it: 12-row
-    # panels (up to 8 rows), 6-row panels against tiles of 16 and a last one of 8.
-    for start, stop in ((0, 1), (4, 5), (0, 8), (3, 11), (5, 17), (8, 24), (20, 37), (1, 33)):
-        assert torch.equal(weight.matmul(x[start:stop].contiguous(), panel=True), got[start:stop])
-    assert weight.matmul(x[:0], panel=True).shape == (0, rows)
-    # Where the panel kernel is built (elsewhere the entry point runs the row kernels), its
-    # order is its own: another order than the row kernels' gives other last bits.
-    if panel_max_rows(kernels, torch.float32):
-        assert not torch.equal(got, weight.matmul(x))
+    assert torch.equal(weight.matmul(eye), dense.T[:40].float())
+    # Each row summed in one order whatever the batch and wherever its tile puts it: a lone
+    # row (four weight rows a tile, three at the end), tiles of 2-4 rows (two), of 5-8
+    # (one), and batches in equal tiles (9: 5 and 4; 12: 6 and 6; 16; 17: 6, 6 and 5).
+    whole = weight.matmul(x)
+    assert torch.equal(whole[:16], got)
+    slices = [(0, 1), (4, 5), (36, 37), (0, 2), (1, 4), (0, 4), (2, 7), (0, 8), (3, 11)]
+    slices += [(0, 9), (5, 17), (8, 24), (20, 37), (1, 33)]
+    for start, stop in slices:
+        part = weight.matmul(x[start:stop].contiguous())
+        assert torch.equal(part, whole[start:stop]), (start, stop)
+    assert weight.matmul(x[:0]).shape == (0, rows)
 
 
-def test_the_panel_kernel_takes_float32_activations_only(kernels: CpuKernels) -> None:
-    blocks, _ = _random_blocks("Q4_1", 8, 64, seed=24)
-    with pytest.raises(ValueError, match="float32 activations"):
-        kernels.qlinear(torch.zeros(6, 64, dtype=torch.bfloat16), blocks, "Q4_1", panel=True)
-    with pytest.raises(ValueError, match="float32 activations"):
-        kernels.qlinear(torch.zeros(6, 64), blocks, "Q4_1", int8_activations=True, panel=True)
-
-
-def test_a_linear_takes_rows_then_panel_then_dense_kernels_by_batch(kernels: CpuKernels) -> None:
-    blocks, _ = _random_blocks("Q4_1", 16, 64, seed=25)
-    other = torch.nn.Linear(64, 16, bias=False)  # differs from the blocks: shows which ran
-    layer = QuantLinear(GGUFBlocks(kernels, "Q4_1", blocks), other, None, 4, panel_rows=9)
-    x = torch.randn(10, 64, generator=torch.Generator().manual_seed(26))
-    with torch.no_grad():
-        assert torch.equal(layer(x[:4]), kernels.qlinear(x[:4].contiguous(), blocks, "Q4_1"))
-        five = kernels.qlinear(x[:5].contiguous(), blocks, "Q4_1", panel=True)
-        assert torch.equal(layer(x[:5]), five)
-        nine = kernels.qlinear(x[:9].contiguous(), blocks, "Q4_1", panel=True)
-        assert torch.equal(layer(x[:9]), nine)
-        assert torch.equal(layer(x), other(x))
-    assert [layer.serves(n) for n in (4, 9, 10)] == [True, True, False]
-    assert "panel_above=4" in repr(layer) and "dense_above=9" in repr(layer)
-
-
-def test_the_panel_kernel_serves_avx2_float32_batches_only() -> None:
+def test_the_blocks_serve_each_cpus_rows() -> None:
     avx2 = SimpleNamespace(isa=("avx2", "fma", "f16c"))
-    assert panel_max_rows(avx2, torch.float32) == PANEL_MAX_ROWS  # type: ignore[arg-type]
-    assert panel_max_rows(avx2, torch.bfloat16) == 0  # type: ignore[arg-type]
-    assert panel_max_rows(avx2, torch.float32, int8_activations=True) == 0  # type: ignore[arg-type]
+    for dtype in (torch.float32, torch.bfloat16):
+        assert low_bit_max_rows(avx2, dtype) == DEFAULT_MAX_ROWS  # type: ignore[arg-type]
+    a8 = low_bit_max_rows(avx2, torch.float32, int8_activations=True)  # type: ignore[arg-type]
+    assert a8 == INT8_ACTIVATIONS_MAX_ROWS
     avx512 = SimpleNamespace(isa=("avx2", "fma", "f16c", "avx512f"))
-    assert panel_max_rows(avx512, torch.float32) == 0  # type: ignore[arg-type]
-    assert panel_max_rows(SimpleNamespace(isa=()), torch.float32) == 0  # type: ignore[arg-type]
+    assert low_bit_max_rows(avx512, torch.float32) == 32  # type: ignore[arg-type]
+    assert low_bit_max_rows(avx512, torch.bfloat16) == 12  # type: ignore[arg-type]

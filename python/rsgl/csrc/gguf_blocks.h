@@ -92,6 +92,41 @@ static inline QMat group_mat(int bits, const uint8_t* w, const float* scales,
     return a;
 }
 
+/* The kernels' tiles (quant.c's AVX2 float32 rows, quant_a8.c's int8 rows): rows of x in
+   tiles of equal height, up to X_ROWS (9 rows: 5 and 4, not 8 and a lone row that pays for a
+   whole pass over the weights), each against a few weight rows at a time: a lone row of x
+   four (more loads of x shared, fewer row setups), up to 4 rows two, taller tiles one (8
+   sums a tile). */
+#define X_ROWS 8
+static inline int64_t tile_height(int64_t M) {
+    const int64_t tiles = (M + X_ROWS - 1) / X_ROWS;
+    return (M + tiles - 1) / tiles;
+}
+static inline int64_t tile_weight_rows(int64_t R) { return R == 1 ? 4 : R <= 4 ? 2 : 1; }
+
+/* A switch that calls TILE(r, w), a macro of two constants, for each tile shape (R, W). */
+#define TILE_SHAPES(R, W, TILE)                                 \
+    do {                                                        \
+        if ((R) == 1) {                                         \
+            switch (W) {                                        \
+                case 1: TILE(1, 1); break;                      \
+                case 2: TILE(1, 2); break;                      \
+                case 3: TILE(1, 3); break;                      \
+                default: TILE(1, 4); break;                     \
+            }                                                   \
+            break;                                              \
+        }                                                       \
+        switch (R) {                                            \
+            case 2: (W) == 1 ? TILE(2, 1) : TILE(2, 2); break;  \
+            case 3: (W) == 1 ? TILE(3, 1) : TILE(3, 2); break;  \
+            case 4: (W) == 1 ? TILE(4, 1) : TILE(4, 2); break;  \
+            case 5: TILE(5, 1); break;                          \
+            case 6: TILE(6, 1); break;                          \
+            case 7: TILE(7, 1); break;                          \
+            default: TILE(8, 1); break;                         \
+        }                                                       \
+    } while (0)
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 /* The sum of v's 8 lanes in a fixed tree: the halves, pairs and neighbours. -ffast-math
    lets the compiler reassociate these adds, and each inlined copy its own way (one AVX2

@@ -21,10 +21,9 @@
    float32 model, reading 4.5-8.5 bits per weight instead of 32; only the summation order
    differs.
 
-   Every row of x is reduced in one fixed order whatever M is (32 lanes over the blocks,
-   then a fixed tree), so a request's logits do not depend on the batch it ran in. Batches
-   past the row kernels' (on AVX2, float32: qlinear_panel_f32) go through a panel kernel that
-   keeps that property among the batches it serves, in an order of its own.
+   Every row of x is reduced in one fixed order whatever M is (lanes over the blocks, then a
+   fixed tree: 32 lanes on AVX-512 and in portable C, 8 on AVX2), so a request's logits do
+   not depend on the batch it ran in.
 
    x and y are float32 (_f32) or bfloat16 (_bf16: x widened to float32 once, y rounded
    once, as a bfloat16 linear with float32 accumulation rounds). */
@@ -107,15 +106,6 @@ static inline void dequant_block(int fmt, Block b, float* w) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-/* The sum of four accumulators' 32 lanes in a fixed tree: (a + b) + (c + d) lane by lane,
-   then the halves, pairs and neighbours. */
-static inline float hsum8(__m256 a, __m256 b, __m256 c, __m256 d) {
-    /* Pinned as hsum_lanes pins its sums. */
-    __m256 ab = _mm256_add_ps(a, b), cd = _mm256_add_ps(c, d);
-    __asm__("" : "+x"(ab), "+x"(cd));
-    return hsum_lanes(_mm256_add_ps(ab, cd));
-}
-
 /* Block k of row n: its quants, and where its scale d and offset m are (m NULL for the int8
    formats but I8M). GGUF's come from `dm`, the converted headers of the blocks from c0 on;
    the load-time formats' from their arrays, at group g of the row (I8H: d[0] and d[1]). */
@@ -176,11 +166,19 @@ static inline void dequant_block16(int fmt, const uint8_t* q, const float* d, co
     w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(nib, 4), table);
 }
 
+/* The sum of four accumulators' 32 lanes in a fixed tree: (a + b) + (c + d) lane by lane,
+   then the halves, pairs and neighbours. */
+static inline float hsum8(__m256 a, __m256 b, __m256 c, __m256 d) {
+    /* Pinned as hsum_lanes pins its sums. */
+    __m256 ab = _mm256_add_ps(a, b), cd = _mm256_add_ps(c, d);
+    __asm__("" : "+x"(ab), "+x"(cd));
+    return hsum_lanes(_mm256_add_ps(ab, cd));
+}
+
 /* hsum8 of four accumulators of eight lanes, here the halves of lo (elements 0-15) and hi
    (16-31). -ffast-math lets the compiler fuse and reassociate each inlined copy its own
-   way, so one order per row is checked, not promised; see dot_xtile. (The AVX2 path gets
-   the same bits for the int8 formats; it sums the nibble formats' elements in another
-   order.) */
+   way, so one order per row is checked, not promised; see dot_xtile. (The portable path
+   gets the same bits for the int8 formats; the AVX2 path sums in an order of its own.) */
 static inline float hsum16(__m512 lo, __m512 hi) {
     const __m256 a = _mm512_castps512_ps256(lo);
     const __m256 b = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lo), 1));
@@ -227,17 +225,22 @@ static inline __attribute__((always_inline)) void dot_pair(const int fmt, const 
     y[n + 1] = hsum16(e0, e1);
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-/* The AVX2 path's lanes for the nibble formats. A block's 16 bytes are broadcast to both
-   halves of a register, and register r takes byte r of each 32-bit word, its low nibble in
-   lanes 0-3 and its high nibble in lanes 4-7, with one variable shift and a mask. So
-   register r holds the elements e with e % 4 == r, in increasing order (r, 4 + r, ...,
-   28 + r), and the kernels read x in that order: each call first copies its rows of x into
-   it (interleave_x). The widening byte shuffles this replaces (four a block, on the one
-   port that also broadcasts) bounded a batch-1 step's projections on AMD Zen 3. */
-static const int32_t NIBBLE_SHIFT[4][8] = {{0, 0, 0, 0, 4, 4, 4, 4},
-                                           {8, 8, 8, 8, 12, 12, 12, 12},
-                                           {16, 16, 16, 16, 20, 20, 20, 20},
-                                           {24, 24, 24, 24, 28, 28, 28, 28}};
+/* The AVX2 path's lanes for the nibble formats. A block's 16 bytes go to the low half of a
+   register and, shifted right by 4 in each 32-bit word, to its high half; after a mask of
+   each byte's low nibble, register r takes byte r of each word (one byte shuffle), so its
+   lanes 0-3 hold the low nibbles of bytes r, 4 + r, 8 + r, 12 + r and lanes 4-7 their high
+   nibbles. Register r therefore holds the elements e with e % 4 == r, in increasing order
+   (r, 4 + r, ..., 28 + r), and the kernels read x in that order: each call first copies its
+   rows of x into it (interleave_x). Widening byte shuffles (four a block, on the one port
+   that also broadcasts) bounded a batch-1 step's projections on AMD Zen 3, and so did the
+   variable shifts that replaced them (two cycles each there); the immediate shift and the
+   in-lane shuffles here cost a third less again, for the same weights. */
+
+/* The shuffle that widens byte r of each 32-bit word to the word (the others zeroed). */
+static inline __m256i byte_of_words(int r) {
+    return _mm256_setr_epi32(0x80808000 | r, 0x80808004 | r, 0x80808008 | r, 0x8080800c | r,
+                             0x80808000 | r, 0x80808004 | r, 0x80808008 | r, 0x8080800c | r);
+}
 
 /* One block's 32 weights in four registers (the int8 formats: elements 0-7, 8-15, 16-23,
    24-31; the nibble formats: in the order above), each rounded as the portable path rounds
@@ -259,11 +262,12 @@ static inline __attribute__((always_inline)) void dequant_block8(int fmt, const 
     }
     const __m256 o =
         fmt == Q4_0 ? _mm256_mul_ps(s, _mm256_set1_ps(-8.f)) : _mm256_broadcast_ss(m);
-    const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)q));
-    const __m256i low4 = _mm256_set1_epi32(15);
+    const __m128i lo = _mm_loadu_si128((const __m128i*)q);
+    const __m256i both = _mm256_and_si256(
+        _mm256_inserti128_si256(_mm256_castsi128_si256(lo), _mm_srli_epi32(lo, 4), 1),
+        _mm256_set1_epi8(15));
     for (int r = 0; r < 4; r++) {
-        const __m256i shift = _mm256_loadu_si256((const __m256i*)NIBBLE_SHIFT[r]);
-        const __m256i j = _mm256_and_si256(_mm256_srlv_epi32(both, shift), low4);
+        const __m256i j = _mm256_shuffle_epi8(both, byte_of_words(r));
         w[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(j), s, o);
     }
 }
@@ -285,11 +289,13 @@ static float* nibble_order(int fmt, const float* x, int64_t n) {
     return out;
 }
 
-/* Rows x[0 .. R) of x times weight rows n .. n + W - 1 (R and W constants of 1 or 2 in each
-   inlined copy, R * W <= 2: eight sums, the sixteen registers' share), into y[r * N + n + i].
-   Each block is rebuilt once for the tile, and each (row, weight row) product is summed in
-   four registers of its own over the blocks, then by hsum8: one order whatever the tile,
-   so a row gets the same bits in any batch. */
+/* Rows x[0 .. R) of x times weight rows n .. n + W - 1 (R * W <= 8, constants in each
+   inlined copy: tile_weight_rows), into y[r * N + n + i]. Each block is rebuilt once for
+   the tile, and each (row, weight row) product is summed in one register of its own, a
+   block's four registers of weights in turn, then by hsum_lanes: one order whatever the
+   tile, so a row gets the same bits in any batch. (Four registers a product, as the AVX-512
+   kernels keep two, left room for two of them: a tile of 8 rows rebuilt each weight four
+   times, and past 4 rows the rebuilds bounded the step.) */
 static inline __attribute__((always_inline)) void dot_tile(const int fmt, const QMat* a,
                                                            int64_t n, int64_t nb,
                                                            const float* x, int64_t K,
@@ -298,10 +304,9 @@ static inline __attribute__((always_inline)) void dot_tile(const int fmt, const 
     const int gguf = !load_time(fmt);
     const int64_t per = blocks_per_scale(fmt, a);
     int64_t g = 0, next = per; /* block k's group in the row, and where the next starts */
-    __m256 acc[2][4];
-    for (int t = 0; t < R * W; t++)
-        for (int j = 0; j < 4; j++) acc[t][j] = _mm256_setzero_ps();
-    float dm[2][2 * HEADER_CHUNK + 16];
+    __m256 acc[8];             /* (weight row i, row r)'s sums at [i * R + r] */
+    for (int t = 0; t < R * W; t++) acc[t] = _mm256_setzero_ps();
+    float dm[4][2 * HEADER_CHUNK + 16];
     for (int64_t c0 = 0; c0 < nb; c0 += HEADER_CHUNK) {
         const int64_t c1 = c0 + HEADER_CHUNK < nb ? c0 + HEADER_CHUNK : nb;
         for (int i = 0; gguf && i < W; i++)
@@ -313,18 +318,25 @@ static inline __attribute__((always_inline)) void dot_tile(const int fmt, const 
                 __m256 w[4];
                 const uint8_t* q = block_parts(fmt, a, n + i, k, g, c0, dm[i], &d, &m);
                 dequant_block8(fmt, q, d, m, w);
-                for (int r = 0; r < R; r++) {
-                    const float* p = x + r * K + k * QK;
-                    for (int j = 0; j < 4; j++)
-                        acc[i + r][j] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(p + 8 * j),
-                                                        acc[i + r][j]);
-                }
+                for (int j = 0; j < 4; j++)
+                    for (int r = 0; r < R; r++)
+                        acc[i * R + r] = _mm256_fmadd_ps(
+                            w[j], _mm256_loadu_ps(x + r * K + k * QK + 8 * j), acc[i * R + r]);
             }
         }
     }
     for (int i = 0; i < W; i++)
-        for (int r = 0; r < R; r++)
-            y[r * N + n + i] = hsum8(acc[i + r][0], acc[i + r][1], acc[i + r][2], acc[i + r][3]);
+        for (int r = 0; r < R; r++) y[r * N + n + i] = hsum_lanes(acc[i * R + r]);
+}
+
+/* One instance per tile shape: rows r .. r + R of x against weight rows n .. n + W - 1. */
+static inline __attribute__((always_inline)) void tile_rows(const int fmt, const QMat* a,
+                                                            int64_t n, const float* x,
+                                                            int64_t K, int64_t R, int64_t W,
+                                                            float* y, int64_t N) {
+#define F32_TILE(r, c) dot_tile(fmt, a, n, K / QK, x, K, r, c, y, N)
+    TILE_SHAPES(R, W, F32_TILE);
+#undef F32_TILE
 }
 #else
 /* The AVX2 path's lanes for the int8 formats and its tree, in plain C for whatever the
@@ -435,34 +447,7 @@ static inline __attribute__((always_inline)) void row_tiles(const int fmt, const
             xtile(fmt, a, n + i, K / QK, x + r * K, K, R, y + r * N, N);
     }
 }
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-/* y[M, N] = x[M, K] . W^T over float32 rows (the nibble formats' x interleaved); K a
-   multiple of 32. Columns of y are split over threads two at a time: a lone row of x takes
-   both weight rows at once (eight sums in flight, x read once for both), a pair of rows
-   each weight row in turn (the pair of weight rows stays in L1 between x pairs, so memory
-   sees each block once per call). */
-static inline __attribute__((always_inline)) void row_tiles(const int fmt, const QMat* a,
-                                                            int64_t n, const float* x,
-                                                            int64_t M, int64_t K, int64_t N,
-                                                            float* y) {
-    /* Weight rows are short and a decode step streams them from memory: ask for the rows 8
-       ahead (see the AVX-512 row_tiles). */
-    prefetch_bytes(a->w + (n + 8) * a->row_bytes, 2 * a->row_bytes);
-    const int both = n + 1 < N;
-    for (int64_t r = 0; r < M; r += 2) {
-        const float* xr = x + r * K;
-        float* yr = y + r * N;
-        if (r + 1 < M) {
-            dot_tile(fmt, a, n, K / QK, xr, K, 2, 1, yr, N);
-            if (both) dot_tile(fmt, a, n + 1, K / QK, xr, K, 2, 1, yr, N);
-        } else if (both) {
-            dot_tile(fmt, a, n, K / QK, xr, K, 1, 2, yr, N);
-        } else {
-            dot_tile(fmt, a, n, K / QK, xr, K, 1, 1, yr, N);
-        }
-    }
-}
-#else
+#elif !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 /* y[M, N] = x[M, K] . W^T over float32 rows; K a multiple of 32. Columns of y are split over
    threads two at a time; each thread walks its pair of weight rows once per pair of x rows
    (the pair stays in L1 between x pairs, so memory sees each block once per call). */
@@ -483,12 +468,48 @@ static inline __attribute__((always_inline)) void row_tiles(const int fmt, const
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* y[M, N] = x[M, K] . W^T over float32 rows; K a multiple of 32. x's rows go in tiles of
+   equal height, up to X_ROWS (9 rows: 5 and 4, not 8 and a lone row that pays for a whole
+   rebuild of the weights); columns of y are split over threads a few weight rows at a time,
+   and each thread walks its weight rows once per tile (they stay in L1 between tiles, so
+   memory sees each block once per call). */
 static void qlinear_f32(const QMat* a, const float* x, int64_t M, int64_t K, int64_t N,
                         float* y, int threads) {
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    if (M <= 0) return;
     float* interleaved = nibble_order(a->fmt, x, M * K);
     if (interleaved) x = interleaved;
-#endif
+    const int64_t height = tile_height(M), step = tile_weight_rows(height);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N * M * K >= 65536)
+    for (int64_t n = 0; n < N; n += step) {
+        /* Weight rows are short and a decode step streams them from memory: ask for the
+           rows 8 ahead (see the AVX-512 row_tiles). */
+        prefetch_bytes(a->w + (n + 8) * a->row_bytes, step * a->row_bytes);
+        const int64_t end = n + step < N ? n + step : N;
+        for (int64_t r = 0; r < M; r += height) {
+            const int64_t R = M - r < height ? M - r : height;
+            for (int64_t j = n, W; j < end; j += W) {
+                W = end - j < tile_weight_rows(R) ? end - j : tile_weight_rows(R);
+                const float* xr = x + r * K;
+                float* yr = y + r * N;
+                /* One instance per format, so each inner loop knows its block layout. */
+                switch (a->fmt) {
+                    case Q4_0: tile_rows(Q4_0, a, j, xr, K, R, W, yr, N); break;
+                    case Q4_1: tile_rows(Q4_1, a, j, xr, K, R, W, yr, N); break;
+                    case Q8_0: tile_rows(Q8_0, a, j, xr, K, R, W, yr, N); break;
+                    case I4: tile_rows(I4, a, j, xr, K, R, W, yr, N); break;
+                    case I8: tile_rows(I8, a, j, xr, K, R, W, yr, N); break;
+                    case I8M: tile_rows(I8M, a, j, xr, K, R, W, yr, N); break;
+                    default: tile_rows(I8H, a, j, xr, K, R, W, yr, N); break;
+                }
+            }
+        }
+    }
+    free(interleaved);
+}
+#else
+static void qlinear_f32(const QMat* a, const float* x, int64_t M, int64_t K, int64_t N,
+                        float* y, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N * M * K >= 65536)
     for (int64_t n = 0; n < N; n += 2) {
         /* One instance per format, so each inner loop knows its block layout. */
@@ -502,10 +523,8 @@ static void qlinear_f32(const QMat* a, const float* x, int64_t M, int64_t K, int
             default: row_tiles(I8H, a, n, x, M, K, N, y); break;
         }
     }
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    free(interleaved);
-#endif
 }
+#endif
 
 static void qlinear_bf16(const QMat* a, const uint16_t* x, int64_t M, int64_t K, int64_t N,
                          uint16_t* y, int threads) {
@@ -516,139 +535,6 @@ static void qlinear_bf16(const QMat* a, const uint16_t* x, int64_t M, int64_t K,
     qlinear_f32(a, xf, M, K, N, yf, threads);
     for (int64_t i = 0; i < M * N; i++) bf16_store(y, i, yf[i]);
     free(xf);
-}
-
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-/* Batches of more rows than the row kernels serve well (qlinear_panel_f32). A pair of rows
-   of x rebuilds every weight again in dot_tile, so past a few rows the rebuilds, not the
-   bytes, bound it, and a dot product's multiply-adds (both operands loaded) run at half the
-   rate of a GEMM's. Here a panel of PANEL_ROWS weight rows is rebuilt once into floats, and
-   x's rows go down the lanes: for each k, a register of x's column k (8 or 16 rows) and one
-   broadcast weight per weight row, a multiply-add into each (weight row, rows) accumulator,
-   the panel's 12 registers of sums staying in registers over the whole of K. Each sum is
-   one lane summed in the order of k, whatever the batch, the tile or the thread: rows get
-   the same bits in any batch this kernel serves (not the row kernels' bits: their lanes
-   and tree sum in another order). */
-#define PANEL_ROWS 12
-
-/* Weight rows n .. n + rows - 1 of a as floats into w[r * K ..], in the order dequant_block8
-   gives (the nibble formats' interleaved), each weight the value the row kernels rebuild. */
-static inline __attribute__((always_inline)) void panel_weights(const int fmt, const QMat* a,
-                                                                int64_t n, int64_t rows,
-                                                                int64_t nb, float* w) {
-    const int gguf = !load_time(fmt);
-    const int64_t per = blocks_per_scale(fmt, a);
-    float dm[2 * HEADER_CHUNK + 16];
-    for (int64_t r = 0; r < rows; r++) {
-        int64_t g = 0, next = per;
-        for (int64_t c0 = 0; c0 < nb; c0 += HEADER_CHUNK) {
-            const int64_t c1 = c0 + HEADER_CHUNK < nb ? c0 + HEADER_CHUNK : nb;
-            if (gguf) gguf_headers(fmt, a->w + (n + r) * a->row_bytes, c0, c1 - c0, dm);
-            for (int64_t k = c0; k < c1; k++) {
-                if (k == next) g += scales_per_block(fmt), next += per;
-                const float *d = NULL, *m = NULL;
-                __m256 v[4];
-                const uint8_t* q = block_parts(fmt, a, n + r, k, g, c0, dm, &d, &m);
-                dequant_block8(fmt, q, d, m, v);
-                float* out = w + (r * nb + k) * QK;
-                for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + 8 * j, v[j]);
-            }
-        }
-    }
-}
-
-/* The panel w (R rows of K floats) times a tile of x's rows (xt: column k's 8 * V rows at
-   xt[k * 8V]; R * V <= 12 and V = 1 or 2, constants in each copy), the sums into
-   out[r * 8V + lane]. */
-static inline __attribute__((always_inline)) void panel_tile(const float* w, const float* xt,
-                                                             int64_t K, const int R,
-                                                             const int V, float* out) {
-    __m256 acc[PANEL_ROWS][2];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k++) {
-        const __m256 x0 = _mm256_loadu_ps(xt + k * 8 * V);
-        const __m256 x1 = V == 2 ? _mm256_loadu_ps(xt + k * 16 + 8) : x0;
-#pragma GCC unroll 12
-        for (int r = 0; r < R; r++) {
-            const __m256 b = _mm256_broadcast_ss(w + r * K + k);
-            acc[r][0] = _mm256_fmadd_ps(x0, b, acc[r][0]);
-            if (V == 2) acc[r][1] = _mm256_fmadd_ps(x1, b, acc[r][1]);
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int v = 0; v < V; v++) _mm256_storeu_ps(out + r * 8 * V + 8 * v, acc[r][v]);
-}
-
-/* The width of tile t of x's rows (rows 16t on): 16, but 8 when 8 or fewer rows are left. */
-static inline int64_t tile_width(int64_t M, int64_t t) { return M - 16 * t > 8 ? 16 : 8; }
-
-/* y[M, N] = x[M, K] . W^T, x float32 (interleaved for the nibble formats, as qlinear_f32
-   reads it). A batch of up to 8 rows takes panels of 12 weight rows, a larger one panels of
-   6 against tiles of 16 rows (the last tile 8 wide if it can be): twelve accumulators but
-   for that last tile. Threads split the panels; each rebuilds its panel once for all the
-   tiles. */
-static void panel_f32(const QMat* a, const float* x, int64_t M, int64_t K, int64_t N, float* y,
-                      int threads) {
-    const int64_t nb = K / QK, rows = M > 8 ? PANEL_ROWS / 2 : PANEL_ROWS;
-    const int64_t tiles = (M + 15) / 16;
-    /* Column k of tile t at xt[t * 16K + k * width ..], zero past M. */
-    float* xt = (float*)calloc((size_t)(tiles * K * 16), sizeof(float));
-    if (!xt) abort();
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t width = tile_width(M, t);
-        for (int64_t j = 0; j < width && 16 * t + j < M; j++)
-            for (int64_t k = 0; k < K; k++)
-                xt[t * K * 16 + k * width + j] = x[(16 * t + j) * K + k];
-    }
-#pragma omp parallel num_threads(threads) if (threads > 1 && N * M * K >= 65536)
-    {
-        float* w = (float*)malloc((size_t)(rows * K + 8 * PANEL_ROWS) * sizeof(float));
-        if (!w) abort();
-        float* sums = w + rows * K;
-#pragma omp for schedule(static)
-        for (int64_t n = 0; n < N; n += rows) {
-            /* A last panel past N: its missing rows zero. */
-            const int64_t live = N - n < rows ? N - n : rows;
-            memset(w + live * K, 0, (size_t)((rows - live) * K) * sizeof(float));
-            switch (a->fmt) {
-                case Q4_0: panel_weights(Q4_0, a, n, live, nb, w); break;
-                case Q4_1: panel_weights(Q4_1, a, n, live, nb, w); break;
-                case Q8_0: panel_weights(Q8_0, a, n, live, nb, w); break;
-                case I4: panel_weights(I4, a, n, live, nb, w); break;
-                case I8: panel_weights(I8, a, n, live, nb, w); break;
-                case I8M: panel_weights(I8M, a, n, live, nb, w); break;
-                default: panel_weights(I8H, a, n, live, nb, w); break;
-            }
-            for (int64_t t = 0; t < tiles; t++) {
-                const int64_t width = tile_width(M, t);
-                const float* xtile = xt + t * K * 16;
-                if (rows == PANEL_ROWS) panel_tile(w, xtile, K, PANEL_ROWS, 1, sums);
-                else if (width == 16) panel_tile(w, xtile, K, PANEL_ROWS / 2, 2, sums);
-                else panel_tile(w, xtile, K, PANEL_ROWS / 2, 1, sums);
-                for (int64_t r = 0; r < live; r++)
-                    for (int64_t j = 0; j < width && 16 * t + j < M; j++)
-                        y[(16 * t + j) * N + n + r] = sums[r * width + j];
-            }
-        }
-        free(w);
-    }
-    free(xt);
-}
-#endif
-
-/* y = x . W^T for batches past the row kernels' (see panel_f32); where that kernel is not
-   built (AVX-512, whose row kernels rebuild a weight row once for 8 rows of x, or no AVX2),
-   the row kernels. */
-static void qlinear_panel_f32(const QMat* a, const float* x, int64_t M, int64_t K, int64_t N,
-                              float* y, int threads) {
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    float* interleaved = nibble_order(a->fmt, x, M * K);
-    if (interleaved) x = interleaved;
-    panel_f32(a, x, M, K, N, y, threads);
-    free(interleaved);
-#else
-    qlinear_f32(a, x, M, K, N, y, threads);
-#endif
 }
 
 /* Rows `ids` of W as floats into out[n, K]: an embedding lookup, or a check of the blocks. */
@@ -663,12 +549,6 @@ static void dequant_rows(const QMat* a, int64_t K, const int64_t* ids, int64_t n
                                    int64_t N, float* y, int threads) {                       \
         const QMat a = gguf_mat(fmt, w, K);                                                  \
         qlinear_f32(&a, x, M, K, N, y, threads);                                             \
-    }                                                                                        \
-    void rsgl_qlinear_panel_##name##_f32(const float* x, int64_t M, int64_t K,               \
-                                         const uint8_t* w, int64_t N, float* y,              \
-                                         int threads) {                                      \
-        const QMat a = gguf_mat(fmt, w, K);                                                  \
-        qlinear_panel_f32(&a, x, M, K, N, y, threads);                                       \
     }                                                                                        \
     void rsgl_qlinear_##name##_bf16(const uint16_t* x, int64_t M, int64_t K,                 \
                                     const uint8_t* w, int64_t N, uint16_t* y, int threads) { \
@@ -690,13 +570,6 @@ void rsgl_qlinear_group_f32(int bits, const float* x, int64_t M, int64_t K, cons
                             float* y, int threads) {
     const QMat a = group_mat(bits, w, scales, mins, K, group);
     qlinear_f32(&a, x, M, K, N, y, threads);
-}
-
-void rsgl_qlinear_group_panel_f32(int bits, const float* x, int64_t M, int64_t K,
-                                  const uint8_t* w, const float* scales, const float* mins,
-                                  int64_t group, int64_t N, float* y, int threads) {
-    const QMat a = group_mat(bits, w, scales, mins, K, group);
-    qlinear_panel_f32(&a, x, M, K, N, y, threads);
 }
 
 void rsgl_qlinear_group_bf16(int bits, const uint16_t* x, int64_t M, int64_t K,

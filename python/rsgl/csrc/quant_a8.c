@@ -91,10 +91,6 @@ static inline void group_params(int fmt, const QMat* a, int64_t n, int64_t k, fl
     *m = fmt == I8H ? a->scales[g + 1] : a->mins ? a->mins[g] : 0.f;
 }
 
-/* Weight rows taken together per tile height: a lone row of x takes four (more loads of x
-   shared, fewer row setups), up to 4 rows two, taller tiles one (8 sums a tile). */
-static inline int64_t a8_weight_rows(int64_t R) { return R == 1 ? 4 : R <= 4 ? 2 : 1; }
-
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 /* Whether x's blocks go in pairs (qx_index) for weights of format fmt: the nibble formats. */
 #define A8_PAIRED(fmt) ((fmt) == Q4_0 || (fmt) == Q4_1 || (fmt) == I4)
@@ -254,24 +250,7 @@ static inline __attribute__((always_inline)) void a8_rows(const int fmt, const Q
                                                           int64_t n, const QRows* x, int64_t R,
                                                           int64_t W, float* y, int64_t N) {
 #define A8_TILE(r, c) a8_tile(fmt, a, n, x, r, c, y, N)
-    if (R == 1) {
-        switch (W) {
-            case 1: A8_TILE(1, 1); break;
-            case 2: A8_TILE(1, 2); break;
-            case 3: A8_TILE(1, 3); break;
-            default: A8_TILE(1, 4); break;
-        }
-        return;
-    }
-    switch (R) {
-        case 2: W == 1 ? A8_TILE(2, 1) : A8_TILE(2, 2); break;
-        case 3: W == 1 ? A8_TILE(3, 1) : A8_TILE(3, 2); break;
-        case 4: W == 1 ? A8_TILE(4, 1) : A8_TILE(4, 2); break;
-        case 5: A8_TILE(5, 1); break;
-        case 6: A8_TILE(6, 1); break;
-        case 7: A8_TILE(7, 1); break;
-        default: A8_TILE(8, 1); break;
-    }
+    TILE_SHAPES(R, W, A8_TILE);
 #undef A8_TILE
 }
 #else
@@ -313,9 +292,6 @@ static inline void a8_rows(const int fmt, const QMat* a, int64_t n, const QRows*
 }
 #endif
 
-/* Rows of x handled together at most: each weight row is read once per tile of rows. */
-#define A8_ROWS 8
-
 static void qlinear_a8_f32(const QMat* a, const float* x, int64_t M, int64_t K, int64_t N,
                            float* y, int threads) {
     if (M <= 0) return;
@@ -327,10 +303,9 @@ static void qlinear_a8_f32(const QMat* a, const float* x, int64_t M, int64_t K, 
     int8_t* q = (int8_t*)(ds + 2 * M * np);
     for (int64_t r = 0; r < M; r++)
         quantize_row(x + r * K, K, A8_PAIRED(fmt), q + r * K, ds + r * 2 * np);
-    /* Tiles of equal height (9 rows: 5 and 4, not 8 and a lone row that pays for a whole
-       pass over the weights). */
-    const int64_t tiles = (M + A8_ROWS - 1) / A8_ROWS, height = (M + tiles - 1) / tiles;
-    const int64_t row_bytes = a->row_bytes, step = a8_weight_rows(height);
+    /* Tiles of equal height (tile_height). */
+    const int64_t row_bytes = a->row_bytes, height = tile_height(M);
+    const int64_t step = tile_weight_rows(height);
 #pragma omp parallel for num_threads(threads) schedule(static) \
     if (threads > 1 && N * M * K >= 65536)
     for (int64_t n = 0; n < N; n += step) {
@@ -346,7 +321,7 @@ static void qlinear_a8_f32(const QMat* a, const float* x, int64_t M, int64_t K, 
             const QRows rows = {q + r * K, ds + r * 2 * np, K};
             const int64_t end = n + step < N ? n + step : N;
             for (int64_t j = n, W; j < end; j += W) {
-                W = end - j < a8_weight_rows(R) ? end - j : a8_weight_rows(R);
+                W = end - j < tile_weight_rows(R) ? end - j : tile_weight_rows(R);
                 /* One instance per format, so each inner loop knows its block layout. */
                 switch (fmt) {
                     case Q4_0: a8_rows(Q4_0, a, j, &rows, R, W, y + r * N, N); break;

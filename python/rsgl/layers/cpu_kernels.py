@@ -149,12 +149,6 @@ def _check_index(t: torch.Tensor, dtype: torch.dtype) -> None:
         raise ValueError(f"CPU kernels take contiguous {dtype} CPU index tensors")
 
 
-def _check_panel(panel: bool, act: torch.dtype, int8_activations: bool) -> None:
-    """The panel kernel takes float32 activations as they are."""
-    if panel and (act != torch.float32 or int8_activations):
-        raise ValueError("the panel kernel multiplies float32 activations (not int8 or bf16)")
-
-
 def _check_blocks(blocks: torch.Tensor, fmt: str, k: int | None) -> tuple[int, int]:
     """(rows, K) of a GGUF-block matrix; ValueError unless it is a contiguous CPU uint8
     [rows, K / 32 * block bytes] of a known format (and K matches `k` when given)."""
@@ -246,8 +240,6 @@ class CpuKernels:
         # Per (GGUF format, activation dtype): y = x . W^T over the format's blocks.
         # The same with int8 activations (quant_a8.c), keyed (format, activation dtype, True).
         self._qlinear: dict[tuple[str, torch.dtype, bool], Any] = {}
-        # Float32 batches past the row kernels' (`panel`: quant.c's panel_f32).
-        self._qlinear_panel: dict[str, Any] = {}
         self._dequant_rows: dict[str, Any] = {}
         for fmt, (name, _) in QUANT_FORMATS.items():
             for act, suffix in _ACT_SUFFIXES.items():
@@ -255,9 +247,6 @@ class CpuKernels:
                     qlinear = getattr(lib, f"rsgl_qlinear_{name}{infix}_{suffix}")
                     qlinear.argtypes = [ptr, i64, i64, ptr, i64, ptr, i32]
                     self._qlinear[fmt, act, a8] = qlinear
-            panel = getattr(lib, f"rsgl_qlinear_panel_{name}_f32")
-            panel.argtypes = [ptr, i64, i64, ptr, i64, ptr, i32]
-            self._qlinear_panel[fmt] = panel
             self._dequant_rows[fmt] = getattr(lib, f"rsgl_dequant_rows_{name}")
             self._dequant_rows[fmt].argtypes = [ptr, i64, ptr, i64, ptr]
         # Weights quantized at load time: one entry per activation dtype and int8 activations
@@ -268,8 +257,6 @@ class CpuKernels:
                 group = getattr(lib, f"rsgl_qlinear_group{infix}_{suffix}")
                 group.argtypes = [i32, ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i32]
                 self._qlinear_group[act, a8] = group
-        self._qlinear_group_panel = lib.rsgl_qlinear_group_panel_f32
-        self._qlinear_group_panel.argtypes = [i32, ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i32]
         self._dequant_rows_group = lib.rsgl_dequant_rows_group
         self._dequant_rows_group.argtypes = [i32, ptr, ptr, ptr, i64, i64, ptr, i64, ptr]
         self._bitmask = lib.rsgl_apply_token_bitmask_f32
@@ -295,8 +282,6 @@ class CpuKernels:
             *self._rotary.values(),
             *self._argmax.values(),
             *self._qlinear.values(),
-            *self._qlinear_panel.values(),
-            self._qlinear_group_panel,
             *self._dequant_rows.values(),
             *self._qlinear_group.values(),
             self._dequant_rows_group,
@@ -546,26 +531,19 @@ class CpuKernels:
         blocks: torch.Tensor,
         fmt: str,
         int8_activations: bool = False,
-        *,
-        panel: bool = False,
     ) -> torch.Tensor:
         """x [M, K] (float32 or bfloat16) times W^T, where W is stored as GGUF blocks of
         `fmt` (`QUANT_FORMATS`): blocks is uint8 [N, K / 32 * block bytes], one weight row
         per row. Returns [M, N] of x's dtype. `int8_activations`: x quantized to int8 per
         block of 32 first, as llama.cpp does for these formats (quant_a8.c; not the float32
-        product). `panel`: the kernel for batches past the row kernels' (float32 x; the same
-        weights, summed in another order, the same bits for a row in any batch it serves)."""
+        product)."""
         act = _check(x)
         rows, k = _check_blocks(blocks, fmt, x.shape[1] if x.dim() == 2 else -1)
         if x.dim() != 2:
             raise ValueError("qlinear: x must be [M, K]")
-        _check_panel(panel, act, int8_activations)
         out = torch.empty((x.shape[0], rows), dtype=x.dtype)
         if x.shape[0]:
-            kernel = (
-                self._qlinear_panel[fmt] if panel else self._qlinear[fmt, act, int8_activations]
-            )
-            kernel(
+            self._qlinear[fmt, act, int8_activations](
                 x.data_ptr(),
                 x.shape[0],
                 k,
@@ -596,26 +574,19 @@ class CpuKernels:
         mins: torch.Tensor | None,
         group: int,
         int8_activations: bool = False,
-        *,
-        panel: bool = False,
     ) -> torch.Tensor:
         """x [M, K] (float32 or bfloat16) times W^T for W quantized at load time
         (`rsgl.layers.quant_linear.GroupQuantized`): q uint8 [N, K] (`bits` 8: int8 bytes,
         w = s * q, or s * q + m with `mins`) or [N, K / 2] (4: nibbles, w = s * q + m),
         float32 scales (and mins) [N, K / group]. Returns [M, N]. `int8_activations`: x
-        quantized to int8 per block of 32 first (quant_a8.c), as for GGUF blocks. `panel`:
-        as for `qlinear`."""
+        quantized to int8 per block of 32 first (quant_a8.c), as for GGUF blocks."""
         act = _check(x)
         rows, k = _check_groups(bits, q, scales, mins, group)
         if x.dim() != 2 or x.shape[1] != k:
             raise ValueError(f"qlinear_group: x must be [M, {k}]")
-        _check_panel(panel, act, int8_activations)
         out = torch.empty((x.shape[0], rows), dtype=x.dtype)
         if x.shape[0]:
-            kernel = (
-                self._qlinear_group_panel if panel else self._qlinear_group[act, int8_activations]
-            )
-            kernel(
+            self._qlinear_group[act, int8_activations](
                 bits,
                 x.data_ptr(),
                 x.shape[0],

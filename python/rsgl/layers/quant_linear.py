@@ -15,12 +15,8 @@ rebuilt float32 weights, not the float32 model's logits.
 
 Decode batches are bound by memory traffic; large ones (prefill chunks, mixed steps) by
 arithmetic, where oneDNN's GEMM over a dense copy of the same (dequantized) values is
-faster than rebuilding weights per row pair. A projection therefore keeps both: the
-low-bit form for up to `max_rows` rows, the dense copy above. Where the row kernels are
-AVX2's (`panel_max_rows`), batches of up to `panel_rows` rows between the two go through
-the panel kernel instead: the same low-bit weights, each rebuilt once per call into a
-panel that all of the batch's rows multiply as a GEMM would (the bytes of the blocks and
-the arithmetic of a GEMM).
+faster than rebuilding weights for each tile of rows. A projection therefore keeps both:
+the low-bit form for up to `max_rows` rows, the dense copy above.
 """
 
 from __future__ import annotations
@@ -32,13 +28,14 @@ from torch import nn
 
 from rsgl.layers.cpu_kernels import QUANT_BLOCK, QUANT_FORMATS, CpuKernels
 
-# Rows of x up to which the low-bit weights are read rather than the dense copy. Each row
-# pair rebuilds the weights where the kernels are built for AVX2 (the blocks' cost grows
-# with the rows, the dense GEMM's hardly): on a 2-core AMD EPYC (Zen 3), all of SmolLM2's
-# projections and LM head in float32, GGUF blocks vs oneDNN over the dense copy measured
-# 2.32x faster at 1 row, 1.89x at 2, 1.38x at 4, 1.15x at 6 and 0.93x at 8, and the switch
-# is kept below that crossover.
-DEFAULT_MAX_ROWS = 4
+# Rows of x up to which the low-bit weights are read rather than the dense copy, where the
+# kernels are built for AVX2 (without AVX-512). A tile of up to 8 rows of x rebuilds each
+# weight once (`quant.c`), so past a few rows the blocks cost the tile's multiply-adds, as
+# the dense GEMM does, plus a rebuild per tile and per weight row. SmolLM2's decode steps on
+# a 2-core AMD EPYC (Zen 3), float32 (`rsgl bench one-batch --input-len 100 --output-len
+# 32`, ms a step, alternated runs, blocks vs dense): 50.7 vs 80.8 at batch 16, 86.1 vs 99.3
+# at 24, 116 vs 115 at 32.
+DEFAULT_MAX_ROWS = 24
 
 # The same for int8 activations (`gguf_a8`): their integer dot products cost no weight
 # rebuild, so the blocks stay ahead much longer. SmolLM2's decode steps on the same Zen 3
@@ -46,24 +43,6 @@ DEFAULT_MAX_ROWS = 4
 # blocks vs dense): 56 vs 84 at batch 16, 77 vs 109 at 24, 119 vs 128 at 32, where the
 # matmuls alone already favour the dense copy.
 INT8_ACTIVATIONS_MAX_ROWS = 24
-
-
-# The rows up to which the panel kernel (quant.c's panel_f32: AVX2 without AVX-512, float32
-# activations) serves the batches past `max_rows` rather than the dense copy. SmolLM2's
-# projections and LM head (Q4_1, Q8_0) on a 2-core AMD EPYC (Zen 3), the model's own modules,
-# panel vs oneDNN over the packed dense copy, ms (medians of 4 alternated runs): 30.7 vs
-# 49.3 at 5 rows, 30.3 vs 55.0 at 8, 59.6 vs 59.6 at 12 (a tile of 16 rows costs the same
-# whether 9 or 16 are filled), 58.8 vs 66.4 at 16, 78.7 vs 77.8 at 24, 116.7 vs 91.7 at 32.
-PANEL_MAX_ROWS = 16
-
-
-def panel_max_rows(kernels: CpuKernels, dtype: torch.dtype, int8_activations: bool = False) -> int:
-    """The rows up to which projections past the row kernels' `low_bit_max_rows` read the
-    low-bit weights through the panel kernel (0: never; it is AVX2's, for float32
-    activations: the AVX-512 row kernels already rebuild a weight row once for 8 rows)."""
-    if "avx512f" in kernels.isa or not {"avx2", "fma", "f16c"} <= set(kernels.isa):
-        return 0
-    return PANEL_MAX_ROWS if dtype == torch.float32 and not int8_activations else 0
 
 
 def low_bit_max_rows(
@@ -104,8 +83,8 @@ class GGUFBlocks:
     def nbytes(self) -> int:
         return int(self.data.numel())
 
-    def matmul(self, x: torch.Tensor, *, panel: bool = False) -> torch.Tensor:
-        return self.kernels.qlinear(x, self.data, self.fmt, self.int8_activations, panel=panel)
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.qlinear(x, self.data, self.fmt, self.int8_activations)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.kernels.dequant_rows(self.data, self.fmt, ids)
@@ -168,16 +147,9 @@ class GroupQuantized:
         extra = 0 if self.mins is None else self.mins.numel() * 4
         return int(self.q.numel() + self.scales.numel() * 4 + extra)
 
-    def matmul(self, x: torch.Tensor, *, panel: bool = False) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.qlinear_group(
-            self.bits,
-            x,
-            self.q,
-            self.scales,
-            self.mins,
-            self.group,
-            self.int8_activations,
-            panel=panel,
+            self.bits, x, self.q, self.scales, self.mins, self.group, self.int8_activations
         )
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -191,8 +163,7 @@ LowBitWeight = GGUFBlocks | GroupQuantized
 
 class QuantLinear(nn.Module):
     """`y = x @ W.T (+ bias)` with W held in low-bit form (`weight`), and optionally as a
-    dense module of the same values, used for batches of more than `max_rows` rows (more
-    than `panel_rows` where the panel kernel takes the float32 batches between the two)."""
+    dense module of the same values, used for batches of more than `max_rows` rows."""
 
     bias: torch.Tensor | None
 
@@ -202,27 +173,24 @@ class QuantLinear(nn.Module):
         dense: nn.Module | None = None,
         bias: torch.Tensor | None = None,
         max_rows: int = DEFAULT_MAX_ROWS,
-        panel_rows: int = 0,
     ) -> None:
         super().__init__()
         self.weight = weight
         self.dense = dense
         self.max_rows = max_rows
-        self.panel_rows = panel_rows
         self.register_buffer("bias", bias, persistent=False)
         self.out_features, self.in_features = weight.shape
 
     def serves(self, rows: int) -> bool:
         """Whether a batch of `rows` rows reads the low-bit weights (else the dense copy)."""
-        return rows <= max(self.max_rows, self.panel_rows)
+        return rows <= self.max_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if self.dense is not None and not self.serves(rows):
             out: torch.Tensor = self.dense(x)
             return out
-        panel = self.max_rows < rows <= self.panel_rows and x.dtype == torch.float32
-        y = self.weight.matmul(x.contiguous(), panel=panel)
+        y = self.weight.matmul(x.contiguous())
         return y if self.bias is None else y.add_(self.bias)
 
     def extra_repr(self) -> str:
@@ -232,21 +200,19 @@ class QuantLinear(nn.Module):
         else:
             minimums = ", with minimums" if w.bits == 8 and w.mins is not None else ""
             kind = f"int{w.bits}, group {w.group}{minimums}"
-        dense_above = max(self.max_rows, self.panel_rows) if self.dense is not None else None
-        panel = f", panel_above={self.max_rows}" if self.panel_rows > self.max_rows else ""
+        dense_above = self.max_rows if self.dense is not None else None
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, {kind}, "
-            f"dense_above={dense_above}{panel}"
+            f"dense_above={dense_above}"
         )
 
 
 __all__ = [
     "DEFAULT_MAX_ROWS",
-    "PANEL_MAX_ROWS",
+    "INT8_ACTIVATIONS_MAX_ROWS",
     "GGUFBlocks",
     "GroupQuantized",
     "LowBitWeight",
     "QuantLinear",
     "low_bit_max_rows",
-    "panel_max_rows",
 ]

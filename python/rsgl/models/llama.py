@@ -325,17 +325,14 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError("low-bit weights are set up before the weights are packed")
 
     @staticmethod
-    def _install(
-        owner: nn.Module, attr: str, weight: LowBitWeight, max_rows: int, panel_rows: int
-    ) -> None:
-        """Give projection `owner.attr` low-bit weights for batches of up to `max_rows` (up
-        to `panel_rows` through the panel kernel)."""
+    def _install(owner: nn.Module, attr: str, weight: LowBitWeight, max_rows: int) -> None:
+        """Give projection `owner.attr` low-bit weights for batches of up to `max_rows`."""
         dense = getattr(owner, attr)
         if isinstance(dense, RowParallelLinear):
             # The bias is added after the all-reduce, by the row-parallel layer.
-            dense.low_bit = QuantLinear(weight, max_rows=max_rows, panel_rows=panel_rows)
+            dense.low_bit = QuantLinear(weight, max_rows=max_rows)
         else:
-            setattr(owner, attr, QuantLinear(weight, dense, dense.bias, max_rows, panel_rows))
+            setattr(owner, attr, QuantLinear(weight, dense, dense.bias, max_rows))
 
     def _rank_blocks(self, name: str, blocks: LowBitWeight) -> LowBitWeight:
         """This rank's part of checkpoint matrix `name` in low-bit form: whole blocks of 32
@@ -359,12 +356,10 @@ class LlamaForCausalLM(nn.Module):
         )
 
     @torch.no_grad()
-    def use_gguf_blocks(
-        self, blocks: Mapping[str, LowBitWeight], max_rows: int, panel_rows: int = 0
-    ) -> int:
+    def use_gguf_blocks(self, blocks: Mapping[str, LowBitWeight], max_rows: int) -> int:
         """Serve the projections and the LM head from a GGUF file's own blocks (HF names ->
         `GGUFBlocks`, or K-quants' groups: `rsgl.models.gguf_weights.read_blocks`) for
-        batches of up to `max_rows` rows (`panel_rows` through the panel kernel); the dense
+        batches of up to `max_rows` rows; the dense
         weights (the same numbers) stay for larger ones. A fused projection needs all of its
         parts in one form; matrices whose blocks are missing stay dense. Call after
         `load_weights` and before `pack_cpu_weights`. Returns how many matrices read blocks.
@@ -381,7 +376,7 @@ class LlamaForCausalLM(nn.Module):
             if weight is None:
                 continue
             _check_same_values(getattr(owner, attr).weight, weight)
-            self._install(owner, attr, weight, max_rows, panel_rows)
+            self._install(owner, attr, weight, max_rows)
             count += 1
         head_name = (
             "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
@@ -389,7 +384,7 @@ class LlamaForCausalLM(nn.Module):
         if head_name in blocks:
             head = self._rank_blocks(head_name, blocks[head_name])
             _check_same_values(self.lm_head_weight(), head)
-            self.low_bit_lm_head = QuantLinear(head, max_rows=max_rows, panel_rows=panel_rows)
+            self.low_bit_lm_head = QuantLinear(head, max_rows=max_rows)
             count += 1
         return count
 
@@ -400,13 +395,12 @@ class LlamaForCausalLM(nn.Module):
         bits: int,
         group: int | None,
         max_rows: int,
-        panel_rows: int = 0,
     ) -> int:
         """Quantize every projection to `bits` (8: symmetric int8, 4: asymmetric int4) in
         groups of `group` input weights (None: int8 per output channel, int4 groups of 32),
         and the LM head to int8 per channel; the dense weights are overwritten with the
         quantized values (the tied embedding too), so batches past the low-bit kernels'
-        rows (`max_rows`, `panel_rows`), which use them, compute with the same numbers.
+        rows (`max_rows`), which use them, compute with the same numbers.
         Returns how many matrices."""
         self._check_low_bit()
         count = 0
@@ -417,12 +411,12 @@ class LlamaForCausalLM(nn.Module):
                 kernels, dense.weight, bits, group or (k if bits == 8 else 32)
             )
             _adopt_values(dense.weight, weight)
-            self._install(owner, attr, weight, max_rows, panel_rows)
+            self._install(owner, attr, weight, max_rows)
             count += 1
         head_weight = self.lm_head_weight()
         head = GroupQuantized.quantize(kernels, head_weight, 8, head_weight.shape[1])
         _adopt_values(head_weight, head)
-        self.low_bit_lm_head = QuantLinear(head, max_rows=max_rows, panel_rows=panel_rows)
+        self.low_bit_lm_head = QuantLinear(head, max_rows=max_rows)
         return count + 1
 
     def forward(

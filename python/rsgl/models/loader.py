@@ -19,7 +19,7 @@ import torch
 from rsgl.args import QUANTIZATIONS
 from rsgl.cache_dir import rsgl_cache_dir
 from rsgl.layers.cpu_kernels import load_cpu_kernels
-from rsgl.layers.quant_linear import low_bit_max_rows, panel_max_rows
+from rsgl.layers.quant_linear import low_bit_max_rows
 from rsgl.models.config import ModelConfig
 from rsgl.models.gguf_weights import GGUF_MODES, read_blocks
 from rsgl.models.llama import LlamaForCausalLM
@@ -228,21 +228,13 @@ def load_model(
         assert source is not None and kernels is not None
         int8_activations = chosen == "gguf_a8"
         blocks = read_blocks(source, kernels, int8_activations=int8_activations)
-        count = net.use_gguf_blocks(
-            blocks,
-            low_bit_max_rows(kernels, dtype, int8_activations),
-            panel_max_rows(kernels, dtype, int8_activations),
-        )
+        count = net.use_gguf_blocks(blocks, low_bit_max_rows(kernels, dtype, int8_activations))
         logger.info("%d weight matrices read %s's own blocks", count, source.name)
     elif chosen in ("int8", "int4"):
         assert kernels is not None
         bits = int(chosen.removeprefix("int"))
         count = net.quantize_weights(
-            kernels,
-            bits,
-            quantization_group_size,
-            low_bit_max_rows(kernels, dtype),
-            panel_max_rows(kernels, dtype),
+            kernels, bits, quantization_group_size, low_bit_max_rows(kernels, dtype)
         )
         logger.info("%d weight matrices quantized to %s", count, chosen)
     if pack_weights:

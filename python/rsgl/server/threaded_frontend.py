@@ -34,7 +34,6 @@ _MODEL_FACTS = (
     "dtype_choice",
     "quantization",
     "low_bit_max_rows",
-    "low_bit_panel_max_rows",
     "cpu_threads",
     "context_length",
     "max_total_tokens",

@@ -38,8 +38,8 @@ it could still win: their steps cost at least the rung below's, and the drafts t
 be accepted at most as often as the last one measured, so the top rung is the one to ask.
 Asking only the next rung stops the climb too early where a step's cost jumps: on a 2-core
 Zen 3 at batch 4, 1 draft a request took the projections past their low-bit rows to the
-dense copy (`low_bit_max_rows`: 91 ms a step against 33.8 plain; since the panel kernel
-reads the blocks for up to 16 rows in float32, 47 against 28.6), 2 drafts cost 99 ms and 4
+dense copy (`low_bit_max_rows`: 91 ms a step against 33.8 plain; since the blocks serve up
+to 24 rows on AVX2, about 21 against 18), 2 drafts cost 99 ms and 4
 drafts 120 ms, so where 91% of every draft is accepted 1 and 2 lose (11.9 and 8.8 ms a token
 against 8.45) while 4 wins (6.5); after 1, the next rung could win only at 8.07 ms a token,
 not by the margin. It then runs the cheapest rung, and tries a neighbour of it
@@ -77,13 +77,14 @@ TRY_STEPS = 3
 # loss as large.
 DRAFT_MARGIN = 0.05
 # The share of plain's cost per token a rung must save when its verify steps leave the
-# low-bit row kernels (for the panel kernel or the dense copy) where plain's steps use them
-# (`low_bit_max_rows`). Such a rung's steps are bound by arithmetic where plain's are bound
-# by memory, so the machine's drift moves the two apart, and what it can save is small: on a
-# 2-core Zen 3 at batch 4, copying, a verify of up to 4 drafts a request cost 3.1-3.6x a
-# plain step and committed 3.0-3.9 tokens a request (step logs of two runs): 7.70 ms a token
-# against plain's 8.44 in one, 6.49 against 6.37 in the other, where the policy chose it for
-# stretches of 20 steps (the bench measured speculation 16% slower there).
+# low-bit weights for the dense copy where plain's steps read them (`low_bit_max_rows`).
+# Such a rung's steps are bound by arithmetic where plain's are bound by memory, so the
+# machine's drift moves the two apart, and what it can save is small: on a 2-core Zen 3 at
+# batch 4 (when the dense copy took over at 5 rows), copying, a verify of up to 4 drafts a
+# request cost 3.1-3.6x a plain step and committed 3.0-3.9 tokens a request (step logs of
+# two runs): 7.70 ms a token against plain's 8.44 in one, 6.49 against 6.37 in the other,
+# where the policy chose it for stretches of 20 steps (the bench measured speculation 16%
+# slower there).
 DENSE_MARGIN = 0.15
 # The share of a group's time that tries of a losing rung may waste.
 EXPLORE_BUDGET = 0.02
@@ -190,10 +191,10 @@ class DraftPolicy:
 
     max_drafts: int
     adaptive: bool = True  # False: every step may draft `max_drafts` (SGLang's behaviour)
-    # Steps of up to this many rows read the low-bit weights through the row kernels, bound
-    # by memory; larger ones are bound by arithmetic, through the panel kernel or the dense
-    # copy (`low_bit_max_rows`; None: no low-bit weights): a group whose verify steps would
-    # cross it where its plain steps do not judges those rungs by DENSE_MARGIN.
+    # Steps of up to this many rows read the low-bit weights; larger ones the dense copy,
+    # bound by arithmetic (`low_bit_max_rows`; None: no low-bit weights): a group whose
+    # verify steps would cross it where its plain steps do not judges those rungs by
+    # DENSE_MARGIN.
     low_bit_rows: int | None = None
     explore_every: int = 64
     max_explore_every: int = 256

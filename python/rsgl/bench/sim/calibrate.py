@@ -61,19 +61,13 @@ def parse_grid(text: str) -> tuple[list[int], list[int]]:
     return [int(x) for x in batches.split(",")], [int(x) for x in contexts.split(",")]
 
 
-def with_low_bit_switch(
-    batches: list[int], max_rows: int | None, panel_rows: int | None = None
-) -> list[int]:
-    """The grid's decode batches and, within them, the largest that reads low-bit weights
-    through the row kernels and the next (`low_bit_max_rows`), and the same at the panel
-    kernel's end (`low_bit_panel_max_rows`, where it serves any): a step's cost jumps
-    between the two (on an AVX2 CPU in float32, 25 to 50 ms from 4 rows to 5 where the dense
-    copy took over before the panel kernel), a jump that interpolating between wider points
-    would spread over every batch between them."""
-    switch = set()
-    for last in (max_rows, panel_rows):
-        if last:
-            switch |= {b for b in (last, last + 1) if batches[0] < b < batches[-1]}
+def with_low_bit_switch(batches: list[int], max_rows: int | None) -> list[int]:
+    """The grid's decode batches and, within them, the largest that reads low-bit weights and
+    the next (`low_bit_max_rows`): a step's cost jumps between the two (on an AVX2 CPU in
+    float32, 25 to 50 ms from 4 rows to 5 where the dense copy took over at 5), a jump that
+    interpolating between wider points would spread over every batch between them."""
+    last = max_rows or 0
+    switch = {b for b in (last, last + 1) if last and batches[0] < b < batches[-1]}
     return sorted(set(batches) | switch)
 
 
@@ -97,7 +91,7 @@ def time_steps(
 
     stack = build_stack(engine)
     info = stack.info()
-    batches = with_low_bit_switch(batches, info["low_bit_max_rows"], info["low_bit_panel_max_rows"])
+    batches = with_low_bit_switch(batches, info["low_bit_max_rows"])
     core = stack.core
     runner: Any = stack.runner  # a ModelRunner (a NullRunner with --load-format null)
     rng = np.random.default_rng(seed)
@@ -192,9 +186,7 @@ def time_server_steps(
         recorded: list[str] = []
         try:
             info = httpx.get(f"{url}/get_server_info", timeout=30).json()
-            batches = with_low_bit_switch(
-                batches, info.get("low_bit_max_rows"), info.get("low_bit_panel_max_rows")
-            )
+            batches = with_low_bit_switch(batches, info.get("low_bit_max_rows"))
             # A warm-up point first (the first requests pay for lazy set-up), not recorded.
             points = [(batches[0], contexts[0], False)]
             points += [(b, c, True) for c in contexts for b in batches]
