@@ -119,6 +119,20 @@ def test_a_changed_workload_is_followed_to_the_new_cheapest_rung() -> None:
     assert limits[-60:].count(4) >= 60 - 3 * TRY_STEPS
 
 
+def test_a_try_measures_its_rung_afresh() -> None:
+    # Plain steps timed while something else slowed the machine look three times dearer
+    # than they are, so drafting is chosen (and a try of plain would waste so much that the
+    # budget would put the next one off for 500 steps); then drafts stop being accepted and
+    # the machine is itself again. The next try of plain sees its true cost, and the choice
+    # turns once the reach of a draft has fallen: where a try only nudged the old average
+    # (to 2.3 from 3.0), drafting at 1.3 would have stayed the choice.
+    policy = DraftPolicy(max_drafts=1, explore_every=8)
+    _steps(policy, 64, accepts=1, n=30, seconds={0: 3.0, 1: 1.3})
+    limits = _steps(policy, 64, accepts=0, n=60, seconds={0: 1.0, 1: 1.3})
+    assert policy.summary()["64"]["0"] == pytest.approx(1.0)
+    assert limits[-30:].count(1) <= TRY_STEPS
+
+
 def test_tries_grow_rarer_while_they_confirm_the_choice_and_reset_when_it_turns() -> None:
     seconds = {0: 1.0, 1: 1.2}
     policy = DraftPolicy(max_drafts=1, explore_every=8, max_explore_every=64, explore_budget=1.0)

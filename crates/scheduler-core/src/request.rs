@@ -120,6 +120,11 @@ pub struct Request {
     /// draft is accepted).
     pub spec_pause_left: u32,
     pub spec_pause: u32,
+    /// The most drafts the request proposes next: after a verify that accepted all of its
+    /// `d` drafts at least `2d` (a run of copied text is followed ever further), after one
+    /// that did not, one more than it accepted (where its text leaves what it copies, its
+    /// next verifies stay short). Unbounded at first: the step's limit decides.
+    pub spec_cap: usize,
 }
 
 /// Longest pause, in decode steps, after verifies whose drafts were all rejected.
@@ -152,6 +157,7 @@ impl Request {
             may_speculate: true,
             spec_pause_left: 0,
             spec_pause: 0,
+            spec_cap: usize::MAX,
         }
     }
 

@@ -356,6 +356,10 @@ struct Driver {
     prompts: HashMap<u64, Vec<u32>>,
     next_rid: u64,
     drafted: u64,
+    /// Per request, the most drafts it may propose next, by the rule of its verifies so far:
+    /// after one that accepted all of its `d` drafts at least `2d`, else one more than it
+    /// accepted (none yet: no cap).
+    caps: HashMap<u64, usize>,
 }
 
 impl Driver {
@@ -388,6 +392,7 @@ impl Driver {
                 let committed = &self.exec.seqs[&rid];
                 assert_eq!(committed.len(), r.prompt.len() + r.output.len());
                 let cap = (k_max as usize)
+                    .min(self.caps.get(&rid).copied().unwrap_or(usize::MAX))
                     .min(r.limits.max_new_tokens - r.output.len() - 1)
                     .min(cfg.context_len - committed.len() - 1);
                 let want = ngram_lookup(
@@ -446,6 +451,18 @@ impl Driver {
             let run = sent[rid];
             assert!(!toks.is_empty() && toks.len() <= run.len());
             assert_eq!(&run[..toks.len()], &toks[..]);
+        }
+        for (i, &k) in plan.draft_lens.iter().enumerate() {
+            let rid = plan.rids[i] as u64;
+            if k > 0 && got.contains_key(&rid) {
+                let (drafts, accepted) = (k as usize, lens[i] as usize - 1);
+                let cap = self.caps.entry(rid).or_insert(usize::MAX);
+                *cap = if accepted == drafts {
+                    (*cap).max(2 * drafts)
+                } else {
+                    accepted + 1
+                };
+            }
         }
         for f in out.finished {
             assert!(
@@ -541,6 +558,7 @@ fn run(setup: Setup, ops: Vec<Op>) {
         prompts: HashMap::new(),
         next_rid: 0,
         drafted: 0,
+        caps: HashMap::new(),
     };
     let shared: Vec<Vec<u32>> = (0..3)
         .map(|g| (0..32).map(|i| 1 + (g * 5 + i * 3) % (VOCAB - 1)).collect())
@@ -710,9 +728,11 @@ fn a_repetitive_request_accepts_drafts() {
         steps += 1;
     }
     assert_eq!(d.outputs[&0], reference(&prompt, 60, true));
+    // Most drafts accepted (the request drafts fewer after a rejection), and a third fewer
+    // steps than the 61 a token at a time would take.
     let c = d.s.stats().counters;
-    assert!(c.accepted_draft_tokens > 20, "{c:?}");
-    assert!(steps < 40, "{steps} steps for 60 tokens");
+    assert!(c.accepted_draft_tokens * 3 > c.draft_tokens * 2, "{c:?}");
+    assert!(steps <= 40, "{steps} steps for 60 tokens");
 }
 
 /// A request retracted mid-run (page pressure) resumes and reproduces its tokens.
@@ -818,6 +838,7 @@ fn serial_driver(s: Scheduler, accept: Accept, rng: u64) -> Driver {
         prompts: HashMap::new(),
         next_rid: 1,
         drafted: 0,
+        caps: HashMap::new(),
     }
 }
 
@@ -919,4 +940,44 @@ fn a_draft_model_gets_placeholder_drafts_to_fill() {
     assert_eq!(out.tokens, [12]);
     assert_eq!(s.request(1).unwrap().kv_len(), 7); // 11's position kept, the drafts' not
     s.check().unwrap();
+}
+
+/// A request's drafts follow its own acceptance: all of them accepted, it may draft twice as
+/// many next (up to the step's limit); some rejected, one more than it kept; none kept, one
+/// (after the pause).
+#[test]
+fn a_requests_drafts_grow_while_accepted_and_shrink_when_rejected() {
+    let cfg = SchedulerConfig {
+        max_total_tokens: 512,
+        context_len: 256,
+        spec_num_draft_tokens: 8,
+        spec_draft_model: true, // placeholder drafts: the test decides what is accepted
+        ..SchedulerConfig::default()
+    };
+    let mut s = Scheduler::new(cfg).unwrap();
+    let limits = SamplingLimits {
+        max_new_tokens: 100,
+        ignore_eos: true,
+        ..SamplingLimits::default()
+    };
+    s.add_request(1, vec![5, 6, 7], limits).unwrap();
+    let p = s.schedule();
+    s.commit(p.id, &[8]).unwrap();
+    // (drafts planned, tokens the verify keeps): uncapped at first, then 7 kept of 7, 2 of
+    // 7, 3 of 3, 0 of 6, 1 of 1.
+    let steps = [(7, 8), (7, 3), (3, 4), (6, 1), (0, 1), (1, 2), (2, 3)];
+    for (want, kept) in steps {
+        let p = s.schedule();
+        assert_eq!(p.draft_lens, [want]);
+        let tokens: Vec<i64> = (0..kept).map(|t| 20 + t).collect();
+        if want == 0 {
+            s.commit(p.id, &tokens).unwrap(); // paused after a verify that kept nothing
+        } else {
+            s.commit_spec(p.id, &tokens, &[kept]).unwrap();
+        }
+        s.check().unwrap();
+    }
+    // A lower step limit caps a long run.
+    s.set_draft_limit(1);
+    assert_eq!(s.schedule().draft_lens, [1]);
 }

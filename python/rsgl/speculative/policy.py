@@ -16,7 +16,9 @@ is least (plain unless drafting saves `DRAFT_MARGIN` of its cost: the two are me
 different times, on machines whose speed drifts; `DENSE_MARGIN` where the rung's verify
 steps leave the low-bit weights that plain steps read). The seconds are an exponential average
 per limit (they depend on the machine and
-the batch, and hardly vary from step to step); reach_j is the share of requests that accept
+the batch, and hardly vary from step to step; a try of a rung measures it afresh, so a
+speed measured minutes earlier, when the VM or another process slowed every step, cannot
+keep the choice where it was); reach_j is the share of requests that accept
 at least j drafts at steps that allow j, averaged over every such step (a request accepts
 its j-th draft under a limit of k >= j exactly when it would under any other: n-gram and
 draft-model proposals of a lower limit are a prefix of a higher one's). So the acceptance
@@ -46,9 +48,10 @@ not by the margin. It then runs the cheapest rung, and tries a neighbour of it
 (above and below in turn) now and then, so that the reach above the choice and the seconds
 of its neighbours stay fresh and a change in the workload is followed a rung at a time. A
 try that leaves the choice as it was doubles the group's interval (up to
-`max_explore_every`), and the interval is at least what keeps the try's waste (its extra
-seconds per committed token over the choice's) within `explore_budget` of the group's
-steps; a turn of the choice resets it.
+`max_explore_every`), and the interval before a try of a drafting rung is at least what
+keeps the try's waste (its extra seconds per committed token over the choice's) within
+`explore_budget` of the group's steps (a try of plain, the way back to no speculation, is
+never put off longer); a turn of the choice resets it.
 """
 
 from __future__ import annotations
@@ -224,7 +227,11 @@ class DraftPolicy:
         if group.trial is not None:  # a try ended: did it leave the choice as it was?
             if group.judging and not group.turned:
                 interval = min(2 * (group.interval or self.explore_every), self.max_explore_every)
-                group.interval = max(interval, self._budgeted(group, group.trial))
+                # A try of plain is the way back to speculation off's cost: its waste is not
+                # budgeted (a slowdown while plain ran would put the next try off for good).
+                if group.trial > 0:
+                    interval = max(interval, self._budgeted(group, group.trial))
+                group.interval = interval
             group.trial = None
         unmeasured = group.to_measure(self.rungs)
         if unmeasured is not None:
@@ -265,9 +272,14 @@ class DraftPolicy:
 
     @staticmethod
     def _try(group: _Group, limit: int, judging: bool) -> int:
-        """Starts a try of `limit` and returns it."""
+        """Starts a try of `limit` and returns it. The try measures the rung's seconds
+        afresh: its first step replaces the average (the machine's speed then is not its
+        speed now), which the choice's own steps keep current."""
         group.trial, group.trying, group.since_try = limit, TRY_STEPS - 1, 0
         group.judging, group.turned = judging, False
+        seconds = group.seconds.get(limit)
+        if seconds is not None:
+            seconds.count = 0
         return limit
 
     def observe(

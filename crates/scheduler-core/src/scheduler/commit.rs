@@ -164,6 +164,12 @@ impl Scheduler {
                     } else {
                         req.spec_pause = 0;
                     }
+                    let accepted = run.len() - 1;
+                    req.spec_cap = if accepted == e.draft_len {
+                        req.spec_cap.max(2 * e.draft_len)
+                    } else {
+                        accepted + 1
+                    };
                 }
             }
         }

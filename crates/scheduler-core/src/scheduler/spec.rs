@@ -54,6 +54,7 @@ impl Scheduler {
                 continue;
             }
             let k = k_max
+                .min(req.spec_cap)
                 .min(req.remaining_new_tokens().saturating_sub(1))
                 .min(context.saturating_sub(req.fill_len() + 1));
             if k == 0 {
