@@ -339,7 +339,7 @@ static inline __attribute__((always_inline)) void tile_rows(const int fmt, const
 #undef F32_TILE
 }
 #else
-/* The AVX2 path's lanes for the int8 formats and its tree, in plain C for whatever the
+/* The AVX-512 path's lanes for the int8 formats and its tree, in plain C for whatever the
    compiler targets. */
 static inline float hsum32(const float* acc) {
     float s[8], h[4];
