@@ -67,7 +67,16 @@ def self_draft() -> Iterator[Engine]:
 def test_num_steps_sets_the_drafts_per_verify() -> None:
     assert EngineArgs(**STANDALONE).verified_tokens == 4  # type: ignore[arg-type]
     assert EngineArgs(speculative_algorithm="STANDALONE").verified_tokens == 5
-    assert EngineArgs(speculative_algorithm="NGRAM", speculative_num_steps=3).verified_tokens == 5
+    # NGRAM ignores the steps: its default (or the draft tokens given) holds.
+    assert EngineArgs(speculative_algorithm="NGRAM", speculative_num_steps=3).verified_tokens == 8
+    for algorithm, tokens in (("NGRAM", 6), ("STANDALONE", 4)):
+        args = EngineArgs(
+            speculative_algorithm=algorithm, speculative_num_steps=3, speculative_num_draft_tokens=6
+        )
+        assert args.verified_tokens == tokens
+    assert not EngineArgs().speculates
+    with pytest.raises(ValueError, match="speculative_num_draft_tokens must be at least 1"):
+        EngineArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=0)
     with pytest.raises(ValueError, match="speculative_draft_model_path is for"):
         EngineArgs(speculative_algorithm="NGRAM", speculative_draft_model_path="x")
     with pytest.raises(ValueError, match="speculative_num_steps must be at least 1"):

@@ -14,7 +14,10 @@ engines in one process, speculation off and on, greedy and at temperature 0.7 (s
 each concurrency: output tokens per second of each (medians of `--rounds` alternated
 runs), their ratio (the median of the rounds' ratios; the medians' ratio beside it), the
 average accept length and drafts per verify step, and whether the outputs were identical.
-Every request generates `--output-len` tokens (`ignore_eos`), so both engines run the same
+A copy request ends where the model ends its answer (at most `--copy-max-len` tokens), as an
+echo with edits does: forced on past its end (`ignore_eos`) the model writes new text that
+no draft predicts, and a long document is cut short. `--copy-max-len 0` gives copy requests
+`--output-len` tokens each, as free writing has (`ignore_eos`), so both engines run the same
 batches however their tokens compare: in float32 they are identical; in bfloat16 too where a
 verify step's tokens fit the decode stack (each token a decode row: the low-bit rows,
 `rsgl.layers.quant_linear`), but a larger verify's logits (an extend's kernels) round
@@ -170,6 +173,9 @@ def free_writing_messages(count: int, seed: int = 0) -> list[list[dict[str, str]
     return [[{"role": "user", "content": FREE_WRITING_TOPICS[int(i)]}] for i in order]
 
 
+WORKLOADS = {"copy": copy_heavy_messages, "free": free_writing_messages}
+
+
 def verify_cost(args: argparse.Namespace) -> list[dict[str, object]]:
     """Median step time of B x (1 + k) tokens against B x 1, per batch size and k."""
     batches = [int(b) for b in args.batches.split(",")]
@@ -243,18 +249,21 @@ def workloads(args: argparse.Namespace) -> list[dict[str, object]]:
         options["quantization"] = args.quantization
     spec_options = {
         "speculative_algorithm": "NGRAM",
-        "speculative_num_draft_tokens": args.num_draft_tokens,
         "speculative_ngram_min_match_window_size": args.ngram_min,
     }
+    if args.num_draft_tokens is not None:
+        spec_options["speculative_num_draft_tokens"] = args.num_draft_tokens
     plain, spec = Engine(**options), Engine(**options, **spec_options)
     rows: list[dict[str, object]] = []
     try:
-        for name, make in (("copy", copy_heavy_messages), ("free", free_writing_messages)):
+        for name in args.workloads.split(","):
+            make = WORKLOADS[name]
+            until_eos = name == "copy" and args.copy_max_len > 0
             for temperature in (0.0, 0.7):
                 params: dict[str, Any] = {
                     "temperature": temperature,
-                    "max_new_tokens": args.output_len,
-                    "ignore_eos": True,
+                    "max_new_tokens": args.copy_max_len if until_eos else args.output_len,
+                    "ignore_eos": not until_eos,
                 }
                 if temperature:
                     params["seed"] = args.seed
@@ -296,6 +305,7 @@ def workloads(args: argparse.Namespace) -> list[dict[str, object]]:
                             "temperature": temperature,
                             "concurrency": concurrency,
                             "requests": len(messages),
+                            "output_tokens": sum(map(len, off_ids)),
                             "off_tok_s": round(off_rate, 1),
                             "on_tok_s": round(on_rate, 1),
                             "ratio": round(statistics.median(ratios), 3),
@@ -332,8 +342,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--concurrency", default="1,4,16,64", help="workloads: in flight")
     parser.add_argument("--min-requests", type=int, default=4, help="workloads: per cell")
-    parser.add_argument("--output-len", type=int, default=128, help="workloads: max tokens")
-    parser.add_argument("--num-draft-tokens", type=int, default=5, help="workloads: spec on")
+    parser.add_argument("--workloads", default="copy,free", help="workloads: which to serve")
+    parser.add_argument("--output-len", type=int, default=128, help="workloads: free's tokens")
+    parser.add_argument(
+        "--copy-max-len", type=int, default=512, help="workloads: copy's limit (0: --output-len)"
+    )
+    parser.add_argument(
+        "--num-draft-tokens", type=int, default=None, help="workloads: spec on (engine default)"
+    )
     parser.add_argument("--ngram-min", type=int, default=1, help="workloads: min window")
     parser.add_argument("--max-total-tokens", type=int, default=65536)
     parser.add_argument(
@@ -345,6 +361,8 @@ def main(argv: list[str]) -> int:
     parts = args.parts.split(",")
     if unknown := set(parts) - {"verify-cost", "workloads"}:
         parser.error(f"unknown parts {sorted(unknown)}: expected verify-cost, workloads")
+    if unknown := set(args.workloads.split(",")) - set(WORKLOADS):
+        parser.error(f"unknown workloads {sorted(unknown)}: expected {', '.join(WORKLOADS)}")
     if "verify-cost" in parts:
         verify_cost(args)
     if "workloads" in parts:
