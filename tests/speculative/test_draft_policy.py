@@ -95,10 +95,11 @@ def test_acceptance_seen_at_a_higher_limit_turns_the_choice_down_without_a_try()
 
 def test_a_large_batch_follows_acceptance_that_stops_within_a_few_steps() -> None:
     # A share of 64 requests is a far steadier sample than one request's count: the
-    # choice leaves drafting within a few of its (dear) steps, where one request takes ~25.
+    # choice leaves drafting within a few of its (dear) steps, where one request takes ~25
+    # (with no try of plain, whose cost would show it sooner).
     turned_at = {}
     for batch in (1, 64):
-        policy = DraftPolicy(max_drafts=4, explore_every=10_000)
+        policy = DraftPolicy(max_drafts=4, explore_every=10_000, baseline_budget=1e-9)
         _steps(policy, batch, accepts=2, n=4 * TRY_STEPS + 20)
         assert policy.draft_limit() == 2
         limits = _steps(policy, batch, accepts=0, n=60)
@@ -133,9 +134,49 @@ def test_a_try_measures_its_rung_afresh() -> None:
     assert limits[-30:].count(1) <= TRY_STEPS
 
 
+def test_a_plain_cost_from_another_workload_does_not_keep_a_group_drafting() -> None:
+    # Copying: plain steps (long contexts) cost 1.2, a verify of 4 drafts 2.2, every draft
+    # accepted. Then free writing: plain steps cost 1.0, and a verify 1.1 (few requests
+    # carry drafts), none accepted. Judged against the copy's plain cost, drafting would
+    # stay the choice for good (1.1 < 0.95 x 1.2); tries of plain, due sooner as the
+    # choice's saving over plain shrinks, measure plain's cost now and the choice turns.
+    policy = DraftPolicy(max_drafts=4, explore_every=8)
+    _steps(policy, 64, accepts=4, n=100, seconds={0: 1.2, 1: 1.4, 2: 1.6, 4: 2.2})
+    assert policy.draft_limit() == 4
+    cheap = {0: 1.0, 1: 1.1, 2: 1.1, 4: 1.1}
+    limits = _steps(policy, 64, accepts=0, n=200, seconds=cheap)
+    assert policy.summary()["64"]["0"] == pytest.approx(1.0)
+    turned = next(i for i in range(len(limits)) if set(limits[i:]) <= {0, 1})
+    assert turned < 40
+    # Without those tries (a budget that puts them off for good), the group drafts on.
+    stale = DraftPolicy(
+        max_drafts=4, explore_every=8, max_explore_every=10_000, baseline_budget=1e-9
+    )
+    _steps(stale, 64, accepts=4, n=100, seconds={0: 1.2, 1: 1.4, 2: 1.6, 4: 2.2})
+    limits = _steps(stale, 64, accepts=0, n=200, seconds=cheap)
+    assert limits[-60:].count(0) < 10
+
+
+def test_where_drafting_saves_much_tries_of_plain_are_rare() -> None:
+    # Every draft accepted: 4 drafts cost 2.2 for 5 tokens against plain's 1.0. A try of
+    # plain wastes 3 x (1.0 / 0.44 - 1) steps' worth: within 2% of the group's steps, the
+    # tries come every 192 steps or so (at most every `max_explore_every`).
+    policy = DraftPolicy(max_drafts=4, explore_every=8)
+    limits = _steps(policy, 64, accepts=4, n=1000)
+    plain = _runs(limits[4 * TRY_STEPS :], 0)
+    assert 2 <= len(plain) <= 6 and all(length == TRY_STEPS for _, length in plain)
+
+
 def test_tries_grow_rarer_while_they_confirm_the_choice_and_reset_when_it_turns() -> None:
     seconds = {0: 1.0, 1: 1.2}
-    policy = DraftPolicy(max_drafts=1, explore_every=8, max_explore_every=64, explore_budget=1.0)
+    # Only the neighbours' tries (plain is the choice's neighbour; no tries of it besides).
+    policy = DraftPolicy(
+        max_drafts=1,
+        explore_every=8,
+        max_explore_every=64,
+        explore_budget=1.0,
+        baseline_budget=1e-9,
+    )
     limits = _steps(policy, 1, accepts=1, n=400, seconds=seconds)  # 0.6 a token drafting
     starts = [start for start, _ in _runs(limits, 0)][1:]  # after the first measurement
     gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
@@ -272,7 +313,8 @@ def test_drafting_is_chosen_only_where_it_saves_a_margin_of_plains_cost(
         policy.observe(100, limit, 100.0, accepted)
     costs = policy.summary()["128"]
     assert costs["1"] < costs["0"]  # drafting is cheaper per token ...
-    assert policy.draft_limit() == (1 if drafts else 0)  # ... but not always by enough
+    chosen = policy.groups[128].cheapest(policy.rungs)
+    assert chosen == (1 if drafts else 0)  # ... but not always by enough
 
 
 def test_each_batch_size_group_decides_for_itself() -> None:

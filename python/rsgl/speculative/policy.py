@@ -51,7 +51,9 @@ try that leaves the choice as it was doubles the group's interval (up to
 `max_explore_every`), and the interval before a try of a drafting rung is at least what
 keeps the try's waste (its extra seconds per committed token over the choice's) within
 `explore_budget` of the group's steps (a try of plain, the way back to no speculation, is
-never put off longer); a turn of the choice resets it.
+never put off longer); a turn of the choice resets it. While the choice drafts, plain is
+tried besides, as often as a budget of what those tries would waste allows
+(`_plain_every`): it is the baseline every rung is judged against.
 """
 
 from __future__ import annotations
@@ -128,6 +130,7 @@ class _Group:
     reach: list[_Average] = field(default_factory=list)
     interval: int = 0
     since_try: int = 0
+    since_plain: int = 0
     trial: int | None = None
     trying: int = 0
     judging: bool = False
@@ -202,6 +205,7 @@ class DraftPolicy:
     explore_every: int = 64
     max_explore_every: int = 256
     explore_budget: float = EXPLORE_BUDGET
+    baseline_budget: float = EXPLORE_BUDGET  # the same for tries of plain (`_plain_every`)
     groups: dict[int, _Group] = field(default_factory=dict)
     batch: int = 1  # the last decode step's batch size: the next one's best guess
     rungs: list[int] = field(init=False)
@@ -238,7 +242,14 @@ class DraftPolicy:
             return self._try(group, unmeasured, judging=False)
         chosen = group.cheapest(self.rungs)
         group.since_try += 1
+        group.since_plain += 1
         if group.since_try < (group.interval or self.explore_every):
+            if chosen > 0 and group.since_plain >= self._plain_every(group, chosen):
+                # Every rung is judged against plain's cost: measure it now.
+                group.trial, group.trying, group.since_plain = 0, TRY_STEPS - 1, 0
+                group.judging, group.turned = False, False
+                group.seconds[0].count = 0
+                return 0
             return chosen
         at = self.rungs.index(chosen)
         neighbours = self.rungs[max(0, at - 1) : at] + self.rungs[at + 1 : at + 2]
@@ -270,6 +281,22 @@ class DraftPolicy:
             return 0
         return ceil(TRY_STEPS * (tried / chosen - 1.0) / self.explore_budget)
 
+    def _plain_every(self, group: _Group, chosen: int) -> int:
+        """The steps between tries of plain while the choice drafts (besides the tries of
+        its neighbours): what a try wastes if the choice is as cheap as measured (its
+        saving over plain, for `TRY_STEPS` steps) kept within the budget, and at most
+        `max_explore_every`. Plain's cost is the baseline every rung must beat by its
+        margin, and the plain steps of a workload may cost less than those measured before
+        it (shorter contexts, or one slow step in the average): after copying at batch 64 on
+        a 2-core Zen 3, free writing drafted through a wave of 128 steps (0.79x plain's
+        tok/s) against plain's cost in the copy's steps (230 ms a step, not 180), where no
+        neighbour of the choice (4 or 7 drafts) was plain."""
+        plain, best = group.cost(0), group.cost(chosen)
+        if plain is None or best is None or best >= plain:
+            return 0
+        steps = ceil(TRY_STEPS * (plain / best - 1.0) / self.baseline_budget)
+        return min(steps, self.max_explore_every)
+
     @staticmethod
     def _try(group: _Group, limit: int, judging: bool) -> int:
         """Starts a try of `limit` and returns it. The try measures the rung's seconds
@@ -277,6 +304,8 @@ class DraftPolicy:
         speed now), which the choice's own steps keep current."""
         group.trial, group.trying, group.since_try = limit, TRY_STEPS - 1, 0
         group.judging, group.turned = judging, False
+        if limit == 0:
+            group.since_plain = 0
         seconds = group.seconds.get(limit)
         if seconds is not None:
             seconds.count = 0
