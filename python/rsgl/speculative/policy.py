@@ -245,11 +245,9 @@ class DraftPolicy:
         group.since_plain += 1
         if group.since_try < (group.interval or self.explore_every):
             if chosen > 0 and group.since_plain >= self._plain_every(group, chosen):
-                # Every rung is judged against plain's cost: measure it now.
-                group.trial, group.trying, group.since_plain = 0, TRY_STEPS - 1, 0
-                group.judging, group.turned = False, False
-                group.seconds[0].count = 0
-                return 0
+                # Every rung is judged against plain's cost: measure it now (the tries of
+                # the choice's neighbours keep their schedule).
+                return self._try(group, 0, judging=False, reschedule=False)
             return chosen
         at = self.rungs.index(chosen)
         neighbours = self.rungs[max(0, at - 1) : at] + self.rungs[at + 1 : at + 2]
@@ -298,12 +296,15 @@ class DraftPolicy:
         return min(steps, self.max_explore_every)
 
     @staticmethod
-    def _try(group: _Group, limit: int, judging: bool) -> int:
-        """Starts a try of `limit` and returns it. The try measures the rung's seconds
-        afresh: its first step replaces the average (the machine's speed then is not its
-        speed now), which the choice's own steps keep current."""
-        group.trial, group.trying, group.since_try = limit, TRY_STEPS - 1, 0
+    def _try(group: _Group, limit: int, judging: bool, reschedule: bool = True) -> int:
+        """Starts a try of `limit` and returns it (`reschedule`: the next try of a neighbour
+        counts its steps from this one). The try measures the rung's seconds afresh: its
+        first step replaces the average (the machine's speed then is not its speed now),
+        which the choice's own steps keep current."""
+        group.trial, group.trying = limit, TRY_STEPS - 1
         group.judging, group.turned = judging, False
+        if reschedule:
+            group.since_try = 0
         if limit == 0:
             group.since_plain = 0
         seconds = group.seconds.get(limit)
