@@ -23,6 +23,7 @@ from rsgl.layers.quant_linear import (
     INT8_ACTIVATIONS_MAX_ROWS,
     GGUFBlocks,
     GroupQuantized,
+    InterleavedBlocks,
     LowBitWeight,
     QuantLinear,
     low_bit_max_rows,
@@ -116,7 +117,14 @@ def test_int8_activations_multiply_the_blocks_by_the_quantized_rows(
     x[4, 40] = 1e4  # one block dominated by one value
     x[5, -32:] = 0.0  # the last block (in an odd count, the one without a pair): scale 0
     x[6, -1] = -1e4
-    got = kernels.qlinear(x, blocks, fmt, int8_activations=True)
+    # The int8 kernels read the blocks interleaved by eight weight rows: 67 rows leave the
+    # last group three rows of padding.
+    packed = kernels.pack_a8(blocks, fmt)
+    assert packed.shape[0] == 9 and packed.numel() == 72 * blocks.shape[1]
+    ids = torch.tensor([66, 0, 7, 8, 65, 8])
+    assert torch.equal(kernels.unpack_rows_a8(packed, fmt, 67, cols, ids), blocks[ids])
+    got = kernels.qlinear_a8(x, packed, fmt, 67)
+    assert got.shape == (21, 67)
     # The file's weights times the quantized rows, up to float32 summation error ...
     reference = _quantized_rows(x).double() @ dense.double().T
     magnitudes = _quantized_rows(x).double().abs() @ dense.double().abs().T
@@ -127,16 +135,24 @@ def test_int8_activations_multiply_the_blocks_by_the_quantized_rows(
     bound = 0.5 * steps.reshape(21, cols).double() @ dense.double().abs().T
     assert ((got.double() - exact).abs() <= 1.001 * bound + 1e-6 * cols * magnitudes).all()
     assert not torch.equal(got, kernels.qlinear(x, blocks, fmt))
-    # One order per row whatever the batch: a lone row with four weight rows, tiles of two to
-    # four rows with two, of five to eight with one; 9, 12, 18 and 21 rows in equal tiles.
+    # One order per row whatever the batch: tiles of up to four rows share a pass over a
+    # group's blocks, and a lone row, a full tile and every remainder must sum alike.
     slices = ((0, 1), (4, 5), (20, 21), (0, 3), (0, 5), (1, 9), (2, 9), (0, 9), (5, 17), (3, 21))
     for start, stop in slices:
-        part = kernels.qlinear(x[start:stop].contiguous(), blocks, fmt, int8_activations=True)
+        part = kernels.qlinear_a8(x[start:stop].contiguous(), packed, fmt, 67)
         assert torch.equal(part, got[start:stop]), (start, stop)
-    half = kernels.qlinear(x.bfloat16(), blocks, fmt, int8_activations=True)
+    half = kernels.qlinear_a8(x.bfloat16(), packed, fmt, 67)
     assert half.dtype == torch.bfloat16
-    widened = kernels.qlinear(x.bfloat16().float(), blocks, fmt, int8_activations=True)
+    widened = kernels.qlinear_a8(x.bfloat16().float(), packed, fmt, 67)
     assert torch.equal(half, widened.bfloat16())
+    # The weight as a model holds it: interleaved when a projection is installed, its rows
+    # rebuilt from there exactly as from the file's blocks.
+    weight = GGUFBlocks(kernels, fmt, blocks, int8_activations=True).serving_form()
+    assert isinstance(weight, InterleavedBlocks) and weight.shape == (67, cols)
+    assert torch.equal(weight.matmul(x), got)
+    assert torch.equal(weight.rows(ids), kernels.dequant_rows(blocks, fmt, ids))
+    with pytest.raises(ValueError, match="interleaved"):
+        kernels.qlinear_a8(x, packed, fmt, 75)
 
 
 def test_bfloat16_activations_round_once(kernels: CpuKernels) -> None:

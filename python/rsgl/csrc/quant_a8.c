@@ -1,5 +1,5 @@
-/* Projections over GGUF blocks with int8 activations (`--quantization gguf_a8`): what
-   llama.cpp computes for Q4_0, Q4_1 and Q8_0 weights (W4A8 / W8A8), y[M, N] = x[M, K] . W^T.
+/* Projections with int8 activations (`--quantization gguf_a8`): what llama.cpp computes for
+   Q4_0, Q4_1 and Q8_0 weights (W4A8 / W8A8), y[M, N] = x[M, K] . W^T.
 
    Each row of x is quantized per block of 32 values, as llama.cpp's Q8_1: dx = max|x| / 127,
    qx = x / dx rounded to the nearest integer (ties to even), and sx = dx * sum(qx). A weight
@@ -8,26 +8,30 @@
        sum(w * x') = d * dx * sum(q * qx) + m * sx,
 
    where x' = dx * qx is the quantized row and sum(q * qx) an exact integer sum: byte
-   products summed in pairs (maddubs), then in fours (madd), 8 lanes a block (the byte
-   formats) or, two 4-bit blocks a register, 4 lanes each. Where the exact kernels (quant.c)
-   rebuild each float32 weight (a conversion and two multiply-adds per 8 weights), this is a
-   few integer instructions and a conversion per 32 weights, and the weights stay the file's;
-   what changes is x, rounded to 8 bits per block. So the logits are not the float32 model's:
-   `rsgl bench quality --modes gguf_a8` measures the KL divergence that costs.
+   products summed in pairs (maddubs), then in fours (madd). Where the exact kernels
+   (quant.c) rebuild each float32 weight (a conversion and two multiply-adds per 8 weights),
+   this is a few integer instructions and a conversion per 32 weights, and the weights stay
+   the file's; what changes is x, rounded to 8 bits per block. So the logits are not the
+   float32 model's: `rsgl bench quality --modes gguf_a8` measures the KL divergence that
+   costs.
 
-   GGUF's K-quants, read at load time as groups (quant.c's I4 for Q4_K, I8H for Q3_K and
-   Q6_K, I8M for Q5_K; rsgl/models/gguf_weights.py), are multiplied the same way: their
-   quants are the file's (4 bits, or 3, 5 and 6 bits held in bytes), each group's scale (and
-   minimum) a float32 from their arrays instead of a block header; I8H's two scales a block
-   of 32 each take the half of the block's 8 lanes that sums their 16 weights. (llama.cpp
-   quantizes x per 256 for the K-quants, Q8_K; here every format takes Q8_1's blocks of 32.)
+   Two layouts of the weights:
+   - GGUF's Q4_0, Q4_1 and Q8_0 blocks are interleaved by eight weight rows when a model
+     loads (the second half of this file): a register's lanes are 8 weight rows.
+   - The load-time groups keep one row after another (the first half): GGUF's K-quants,
+     read as groups (quant.c's I4 for Q4_K, I8H for Q3_K and Q6_K, I8M for Q5_K;
+     rsgl/models/gguf_weights.py), with each group's scale (and minimum) a float32 from
+     their arrays; I8H's two scales a block of 32 each take the half of the block's 8 lanes
+     that sums their 16 weights. (llama.cpp quantizes x per 256 for the K-quants, Q8_K;
+     here every format takes Q8_1's blocks of 32.) A row's blocks are summed in 8 lanes,
+     two 4-bit blocks a register, 4 lanes each, then in a fixed tree; the offsets' terms in
+     four lanes beside, one block each.
 
-   Each (row of x, weight row) is summed in one order whatever the batch (8 lanes over the
-   blocks or pairs of blocks, then a fixed tree; the offsets' terms in four lanes beside,
-   one block each), so a request's logits do not depend on the batch it ran in. */
+   Either way each (row of x, weight row) is summed in one order whatever the batch, so a
+   request's logits do not depend on the batch it ran in. */
 #include "gguf_blocks.h"
 
-/* Where element i of block b of a quantized row goes. For the 4-bit formats under AVX2 the
+/* Where element i of block b of a quantized row goes. For 4-bit groups (I4) under AVX2 the
    blocks go in pairs, each pair's 64 bytes as [a 0..15, b 0..15, a 16..31, b 16..31]: two
    blocks' nibbles in one register (16 bytes each, element j in the low half of byte j and
    j + 16 in the high one; a load and an insert), masked, give the first halves of both
@@ -92,8 +96,8 @@ static inline void group_params(int fmt, const QMat* a, int64_t n, int64_t k, fl
 }
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-/* Whether x's blocks go in pairs (qx_index) for weights of format fmt: the nibble formats. */
-#define A8_PAIRED(fmt) ((fmt) == Q4_0 || (fmt) == Q4_1 || (fmt) == I4)
+/* Whether x's blocks go in pairs (qx_index) for weights of format fmt: the nibble format. */
+#define A8_PAIRED(fmt) ((fmt) == I4)
 
 /* A weight block's 32 quants as bytes in element order, and (signed formats) their signs.
    Nibble byte j holds element j (low half) and j + 16 (high half): the 16 bytes broadcast
@@ -147,20 +151,16 @@ static inline __m256 pair_scales(const float* sc) {
 }
 
 /* Four blocks' (d, m) pairs times x's (dx, sx) pairs: each block's scale d * dx in the even
-   lanes, its offset term m * sx in the odd ones (Q4_0's m is -8d). I8H's pairs are a block's
+   lanes, its offset term m * sx in the odd ones. I8H's pairs are a block's
    two scales, each times dx. */
 static inline __m256 pair_products(int fmt, __m256 w, const float* ds) {
-    if (fmt == Q4_0)
-        w = _mm256_mul_ps(_mm256_moveldup_ps(w), _mm256_setr_ps(1, -8, 1, -8, 1, -8, 1, -8));
     const __m256 x = _mm256_loadu_ps(ds);
     return _mm256_mul_ps(w, fmt == I8H ? _mm256_moveldup_ps(x) : x);
 }
 
 /* The (d, m) pairs of blocks k .. k + 3 of weight row n (fewer at the row's end, the rest
-   0): GGUF's from their headers, the load-time formats' from their arrays. */
+   0), from the load-time format's arrays. */
 static inline __m256 block_pairs(int fmt, const QMat* a, int64_t n, int64_t k, int64_t count) {
-    if (!load_time(fmt))
-        return header_pairs(fmt, a->w + n * a->row_bytes + k * block_bytes(fmt), count);
     if (count >= 4 && fmt == I8H)
         return _mm256_loadu_ps(a->scales + n * a->groups + 2 * k);
     if (count >= 4 && blocks_per_scale(fmt, a) == 1) {
@@ -198,7 +198,7 @@ static inline __attribute__((always_inline)) void a8_tile(const int fmt, const Q
     /* (weight row i, row r)'s sums at [i * R + r] */
     __m256 acc[8], offs[8];
     for (int t = 0; t < R * W; t++) acc[t] = offs[t] = _mm256_setzero_ps();
-    const int64_t nb = x->K / QK, np = pair_blocks(nb), qoff = quants_offset(fmt);
+    const int64_t nb = x->K / QK, np = pair_blocks(nb);
     float sc[8][2 * HEADER_CHUNK];
     for (int64_t c0 = 0; c0 < nb; c0 += HEADER_CHUNK) {
         const int64_t c1 = c0 + HEADER_CHUNK < nb ? c0 + HEADER_CHUNK : nb;
@@ -216,7 +216,7 @@ static inline __attribute__((always_inline)) void a8_tile(const int fmt, const Q
             for (; k + 1 < c1; k += 2)
                 for (int i = 0; i < W; i++) {
                     __m256i lo, hi;
-                    const uint8_t* q = w + (n + i) * row_bytes + k * block_bytes(fmt) + qoff;
+                    const uint8_t* q = w + (n + i) * row_bytes + k * block_bytes(fmt);
                     pair_quants(q, block_bytes(fmt), &lo, &hi);
                     for (int r = 0; r < R; r++) {
                         const __m256 dot = pair_dot(lo, hi, x->q + (r * nb + k) * QK);
@@ -226,7 +226,7 @@ static inline __attribute__((always_inline)) void a8_tile(const int fmt, const Q
                 }
         for (; k < c1; k++) {
             for (int i = 0; i < W; i++) {
-                const uint8_t* q = w + (n + i) * row_bytes + k * block_bytes(fmt) + qoff;
+                const uint8_t* q = w + (n + i) * row_bytes + k * block_bytes(fmt);
                 const __m256i wq = block_quants(fmt, q);
                 for (int r = 0; r < R; r++) {
                     const __m256 s = block_scale(fmt, sc[i * R + r] + 2 * (k - c0));
@@ -259,26 +259,20 @@ static inline __attribute__((always_inline)) void a8_rows(const int fmt, const Q
 /* The same sums in plain C: per block an exact integer dot, scaled as above. */
 static inline void a8_rows(const int fmt, const QMat* a, int64_t n, const QRows* x, int64_t R,
                            int64_t W, float* y, int64_t N) {
-    const int64_t nb = x->K / QK, np = pair_blocks(nb), qoff = quants_offset(fmt);
-    const int nibbles = fmt == Q4_0 || fmt == Q4_1 || fmt == I4;
+    const int64_t nb = x->K / QK, np = pair_blocks(nb);
     for (int64_t i = 0; i < W; i++)
         for (int64_t r = 0; r < R; r++) {
             float acc = 0.f, off = 0.f;
             for (int64_t k = 0; k < nb; k++) {
                 const uint8_t* b = a->w + (n + i) * a->row_bytes + k * block_bytes(fmt);
                 float d, m;
-                if (load_time(fmt)) {
-                    group_params(fmt, a, n + i, k, &d, &m);
-                } else {
-                    d = f16_to_f32(load_u16(b));
-                    m = fmt == Q4_1 ? f16_to_f32(load_u16(b + 2)) : -8.f * d;
-                }
-                const uint8_t* q = b + qoff;
+                group_params(fmt, a, n + i, k, &d, &m);
+                const uint8_t* q = b;
                 const int8_t* qx = x->q + (r * nb + k) * QK;
                 const float* ds = x->ds + r * 2 * np + 2 * k;
                 int32_t dot = 0, hi = 0; /* hi: I8H's second 16 */
                 for (int j = 0; j < QK; j++) {
-                    const int wq = nibbles ? (j < 16 ? q[j] & 15 : q[j - 16] >> 4)
+                    const int wq = fmt == I4 ? (j < 16 ? q[j] & 15 : q[j - 16] >> 4)
                                    : signed_quants(fmt) ? (int8_t)q[j] : q[j];
                     if (fmt == I8H && j >= 16) hi += wq * qx[j];
                     else dot += wq * qx[j];
@@ -324,9 +318,6 @@ static void qlinear_a8_f32(const QMat* a, const float* x, int64_t M, int64_t K, 
                 W = end - j < tile_weight_rows(R) ? end - j : tile_weight_rows(R);
                 /* One instance per format, so each inner loop knows its block layout. */
                 switch (fmt) {
-                    case Q4_0: a8_rows(Q4_0, a, j, &rows, R, W, y + r * N, N); break;
-                    case Q4_1: a8_rows(Q4_1, a, j, &rows, R, W, y + r * N, N); break;
-                    case Q8_0: a8_rows(Q8_0, a, j, &rows, R, W, y + r * N, N); break;
                     case I4: a8_rows(I4, a, j, &rows, R, W, y + r * N, N); break;
                     case I8: a8_rows(I8, a, j, &rows, R, W, y + r * N, N); break;
                     case I8H: a8_rows(I8H, a, j, &rows, R, W, y + r * N, N); break;
@@ -349,16 +340,236 @@ static void qlinear_a8_bf16(const QMat* a, const uint16_t* x, int64_t M, int64_t
     free(xf);
 }
 
+/* ------------------------------------------------------------------------------------------
+   GGUF's Q4_0, Q4_1 and Q8_0 blocks, interleaved by eight weight rows (rsgl_pack_a8, when a
+   model loads). Reading each row's blocks as the file lays them out, a batch-1 product paid,
+   per weight row, the blocks' scales and a horizontal sum of 8 lanes, about as many
+   instructions as the integer dots themselves for SmolLM2's 576-wide rows. Interleaved, one
+   register's 8 lanes are 8 weight rows: a block's 8 scales are one fp16 load, its products
+   go straight into the rows' 8 sums, and nothing is summed across lanes.
+
+   A group of 8 rows (the last one padded with zero rows) holds its blocks in order, block k
+   of all 8 rows as
+
+       d[8] (fp16, row j's at byte 2j) | Q4_1: m[8] (fp16) | the quants, 32-byte registers
+
+   register g's lane j holding row j's quant bytes 4g .. 4g + 3: Q4_0 and Q4_1 four registers
+   (nibble byte t holds element t in its low half and t + 16 in its high one, so register g
+   masked gives elements 4g .. 4g + 3 and shifted 16 + 4g .. 19 + 4g), Q8_0 eight. Each lane's
+   4 bytes times the same 4 bytes of qx (broadcast to every lane) summed by maddubs and madd
+   is 4 products of one row; a block's 8 (Q8_0) or 8 halves (nibbles) summed make its dot.
+
+   Each (row of x, weight row) is summed in one order whatever the batch: per block in order,
+   acc = fma(dot, d * dx, acc), then (Q4_1, Q4_0) acc = fma(m, sx, acc). */
+
+static inline int64_t x8_header_bytes(int fmt) { return fmt == Q4_1 ? 32 : 16; }
+static inline int64_t x8_block_bytes(int fmt) {
+    return x8_header_bytes(fmt) + (fmt == Q8_0 ? 256 : 128);
+}
+/* The bytes of one block's quants in the file's layout (after its header). */
+static inline int64_t file_quant_bytes(int fmt) { return fmt == Q8_0 ? 32 : 16; }
+
+/* Where byte t of row j's quants of a block goes in its interleaved block. */
+static inline int64_t x8_quant_offset(int fmt, int j, int64_t t) {
+    return x8_header_bytes(fmt) + 32 * (t / 4) + 4 * j + t % 4;
+}
+
+/* Copies between rows in the file's layout and the interleaved form: file row i is row
+   ids[i] of the interleaved matrix (row i where ids is NULL). `to_x8` packs; else the rows
+   come back out as the file held them. */
+static void x8_copy(int fmt, uint8_t* file, int64_t K, uint8_t* x8, const int64_t* ids,
+                    int64_t n, int to_x8) {
+    const int64_t nb = K / QK, bb = block_bytes(fmt), xb = x8_block_bytes(fmt);
+    const int64_t qoff = quants_offset(fmt), qbytes = file_quant_bytes(fmt);
+    const int64_t headers = fmt == Q4_1 ? 2 : 1;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t row = ids ? ids[i] : i;
+        const int j = (int)(row % 8);
+        for (int64_t k = 0; k < nb; k++) {
+            uint8_t* f = file + (i * nb + k) * bb;
+            uint8_t* p = x8 + ((row / 8) * nb + k) * xb;
+            for (int64_t h = 0; h < headers; h++) { /* d, then Q4_1's m */
+                if (to_x8) memcpy(p + 16 * h + 2 * j, f + 2 * h, 2);
+                else memcpy(f + 2 * h, p + 16 * h + 2 * j, 2);
+            }
+            for (int64_t t = 0; t < qbytes; t++) {
+                uint8_t* q = p + x8_quant_offset(fmt, j, t);
+                if (to_x8) *q = f[qoff + t];
+                else f[qoff + t] = *q;
+            }
+        }
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+static inline __m256i broadcast4(const int8_t* p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm256_set1_epi32(v);
+}
+
+/* Block sums of group `grp` (nb blocks) against rows x[0 .. R) of x (R a constant in each
+   inlined copy; R <= 4, each row's dot, sum and accumulator in registers). */
+static inline __attribute__((always_inline)) void x8_tile(const int fmt, const uint8_t* grp,
+                                                          int64_t nb, const int8_t* q,
+                                                          const float* ds, const int R,
+                                                          float* out) {
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    const int64_t xb = x8_block_bytes(fmt), hb = x8_header_bytes(fmt), K = nb * QK;
+    __m256 acc[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < nb; k++) {
+        const uint8_t* p = grp + k * xb;
+        /* A group's blocks are one stream: ask for them 4 KB ahead (SmolLM2's batch-1
+           products on a 2-core Zen 3 ran 1.13x the speed of 2 KB ahead, 1.2x that of
+           none; 8 and 16 KB no faster). */
+        for (int64_t c = 0; c < xb; c += 64) _mm_prefetch((const char*)p + 4096 + c, _MM_HINT_T0);
+        __m256i s[4];
+        for (int r = 0; r < R; r++) s[r] = _mm256_setzero_si256();
+        if (fmt == Q8_0) {
+            /* Signed bytes: maddubs takes their magnitudes, qx their signs. Pairs of
+               products reach 2 * 128 * 127, so each register's are summed in 32 bits. */
+            for (int g = 0; g < 8; g++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i*)(p + hb + 32 * g));
+                const __m256i mag = _mm256_abs_epi8(v);
+                for (int r = 0; r < R; r++) {
+                    const __m256i xs = _mm256_sign_epi8(broadcast4(q + r * K + k * QK + 4 * g), v);
+                    s[r] = _mm256_add_epi32(
+                        s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, xs), ones));
+                }
+            }
+        } else {
+            /* Nibbles: a pair of products is at most 2 * 15 * 127, eight pairs fit 16 bits. */
+            for (int g = 0; g < 4; g++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i*)(p + hb + 32 * g));
+                const __m256i lo = _mm256_and_si256(v, low);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                for (int r = 0; r < R; r++) {
+                    const int8_t* qx = q + r * K + k * QK;
+                    s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(lo, broadcast4(qx + 4 * g)));
+                    s[r] = _mm256_add_epi16(
+                        s[r], _mm256_maddubs_epi16(hi, broadcast4(qx + 16 + 4 * g)));
+                }
+            }
+            for (int r = 0; r < R; r++) s[r] = _mm256_madd_epi16(s[r], ones);
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+        const __m256 m = fmt == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16)))
+                         : fmt == Q4_0 ? _mm256_mul_ps(d, _mm256_set1_ps(-8.f))
+                                       : _mm256_setzero_ps();
+        for (int r = 0; r < R; r++) {
+            const float* dsr = ds + r * 2 * nb + 2 * k;
+            const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(dsr[0]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), scale, acc[r]);
+            if (fmt != Q8_0) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(dsr[1]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, acc[r]);
+}
+
+static inline __attribute__((always_inline)) void x8_rows(const int fmt, const uint8_t* grp,
+                                                          int64_t nb, const int8_t* q,
+                                                          const float* ds, int64_t R,
+                                                          float* out) {
+    switch (R) {
+        case 1: x8_tile(fmt, grp, nb, q, ds, 1, out); break;
+        case 2: x8_tile(fmt, grp, nb, q, ds, 2, out); break;
+        case 3: x8_tile(fmt, grp, nb, q, ds, 3, out); break;
+        default: x8_tile(fmt, grp, nb, q, ds, 4, out); break;
+    }
+}
+#else
+/* The same sums in plain C, lane by lane. */
+static inline void x8_rows(const int fmt, const uint8_t* grp, int64_t nb, const int8_t* q,
+                           const float* ds, int64_t R, float* out) {
+    const int64_t xb = x8_block_bytes(fmt), K = nb * QK;
+    for (int64_t r = 0; r < R; r++)
+        for (int j = 0; j < 8; j++) {
+            float acc = 0.f;
+            for (int64_t k = 0; k < nb; k++) {
+                const uint8_t* p = grp + k * xb;
+                const int8_t* qx = q + r * K + k * QK;
+                int32_t dot = 0;
+                for (int e = 0; e < QK; e++) {
+                    const int t = fmt == Q8_0 ? e : e % 16;
+                    const uint8_t b = p[x8_quant_offset(fmt, j, t)];
+                    const int wq = fmt == Q8_0 ? (int8_t)b : e < 16 ? b & 15 : b >> 4;
+                    dot += wq * qx[e];
+                }
+                const float d = f16_to_f32(load_u16(p + 2 * j));
+                const float m = fmt == Q4_1 ? f16_to_f32(load_u16(p + 16 + 2 * j)) : -8.f * d;
+                const float* dsr = ds + r * 2 * nb + 2 * k;
+                acc += (float)dot * (d * dsr[0]);
+                if (fmt != Q8_0) acc += m * dsr[1];
+            }
+            out[8 * r + j] = acc;
+        }
+}
+#endif
+
+/* Rows up to which a tile of x shares a pass over a group's blocks (they stay in L1 for the
+   next tile: 18 blocks of a 576-wide row are 2.9 KB). */
+#define X8_ROWS 4
+
+static void qlinear_x8_f32(int fmt, const uint8_t* w, const float* x, int64_t M, int64_t K,
+                           int64_t N, float* y, int threads) {
+    if (M <= 0) return;
+    const int64_t nb = K / QK, groups = (N + 7) / 8, gb = nb * x8_block_bytes(fmt);
+    char* buf = (char*)malloc((size_t)(M * K + 2 * M * nb * (int64_t)sizeof(float)));
+    if (!buf) abort();
+    float* ds = (float*)buf;
+    int8_t* q = (int8_t*)(ds + 2 * M * nb);
+    for (int64_t r = 0; r < M; r++) quantize_row(x + r * K, K, 0, q + r * K, ds + r * 2 * nb);
+#pragma omp parallel for num_threads(threads) schedule(static) \
+    if (threads > 1 && N * M * K >= 65536)
+    for (int64_t G = 0; G < groups; G++) {
+        const int64_t lanes = N - 8 * G < 8 ? N - 8 * G : 8;
+        for (int64_t r = 0; r < M; r += X8_ROWS) {
+            const int64_t R = M - r < X8_ROWS ? M - r : X8_ROWS;
+            float out[8 * X8_ROWS];
+            switch (fmt) { /* one instance per format */
+                case Q4_0: x8_rows(Q4_0, w + G * gb, nb, q + r * K, ds + r * 2 * nb, R, out); break;
+                case Q4_1: x8_rows(Q4_1, w + G * gb, nb, q + r * K, ds + r * 2 * nb, R, out); break;
+                default: x8_rows(Q8_0, w + G * gb, nb, q + r * K, ds + r * 2 * nb, R, out); break;
+            }
+            for (int64_t i = 0; i < R; i++) memcpy(y + (r + i) * N + 8 * G, out + 8 * i, lanes * sizeof(float));
+        }
+    }
+    free(buf);
+}
+
+static void qlinear_x8_bf16(int fmt, const uint8_t* w, const uint16_t* x, int64_t M, int64_t K,
+                            int64_t N, uint16_t* y, int threads) {
+    float* xf = (float*)malloc((size_t)(M * K + M * N) * sizeof(float));
+    if (!xf) abort();
+    float* yf = xf + M * K;
+    widen_bf16(x, xf, M * K);
+    qlinear_x8_f32(fmt, w, xf, M, K, N, yf, threads);
+    for (int64_t i = 0; i < M * N; i++) bf16_store(y, i, yf[i]);
+    free(xf);
+}
+
+/* Per GGUF format: the product over its interleaved blocks (`w` as rsgl_pack_a8_* wrote it,
+   N rows), the packing, and rows `ids` back in the file's layout. */
 #define A8_FORMAT(name, fmt)                                                                   \
     void rsgl_qlinear_##name##_a8_f32(const float* x, int64_t M, int64_t K, const uint8_t* w, \
                                       int64_t N, float* y, int threads) {                      \
-        const QMat a = gguf_mat(fmt, w, K);                                                    \
-        qlinear_a8_f32(&a, x, M, K, N, y, threads);                                            \
+        qlinear_x8_f32(fmt, w, x, M, K, N, y, threads);                                        \
     }                                                                                          \
     void rsgl_qlinear_##name##_a8_bf16(const uint16_t* x, int64_t M, int64_t K,                \
                                        const uint8_t* w, int64_t N, uint16_t* y, int threads) { \
-        const QMat a = gguf_mat(fmt, w, K);                                                    \
-        qlinear_a8_bf16(&a, x, M, K, N, y, threads);                                           \
+        qlinear_x8_bf16(fmt, w, x, M, K, N, y, threads);                                       \
+    }                                                                                          \
+    int64_t rsgl_packed_a8_bytes_##name(int64_t N, int64_t K) {                                \
+        return (N + 7) / 8 * (K / QK) * x8_block_bytes(fmt);                                   \
+    }                                                                                          \
+    void rsgl_pack_a8_##name(const uint8_t* w, int64_t N, int64_t K, uint8_t* out) {          \
+        memset(out, 0, (size_t)rsgl_packed_a8_bytes_##name(N, K));                             \
+        x8_copy(fmt, (uint8_t*)w, K, out, NULL, N, 1);                                         \
+    }                                                                                          \
+    void rsgl_unpack_rows_a8_##name(const uint8_t* packed, int64_t K, const int64_t* ids,      \
+                                    int64_t n, uint8_t* out) {                                 \
+        x8_copy(fmt, out, K, (uint8_t*)packed, ids, n, 0);                                     \
     }
 
 A8_FORMAT(q4_0, Q4_0)

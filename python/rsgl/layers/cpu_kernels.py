@@ -238,10 +238,21 @@ class CpuKernels:
             rotary.argtypes = [ptr, ptr, i64, i64, i64, i64, i32]
             self._add_rmsnorm[act], self._silu_mul[act], self._rotary[act] = norm, silu, rotary
         # Per (GGUF format, activation dtype): y = x . W^T over the format's blocks.
-        # The same with int8 activations (quant_a8.c), keyed (format, activation dtype, True).
+        # The same with int8 activations (quant_a8.c), keyed (format, activation dtype, True),
+        # over the blocks interleaved by eight weight rows (`pack_a8`).
         self._qlinear: dict[tuple[str, torch.dtype, bool], Any] = {}
         self._dequant_rows: dict[str, Any] = {}
+        self._packed_a8_bytes: dict[str, Any] = {}
+        self._pack_a8: dict[str, Any] = {}
+        self._unpack_rows_a8: dict[str, Any] = {}
         for fmt, (name, _) in QUANT_FORMATS.items():
+            self._packed_a8_bytes[fmt] = getattr(lib, f"rsgl_packed_a8_bytes_{name}")
+            self._packed_a8_bytes[fmt].argtypes = [i64, i64]
+            self._packed_a8_bytes[fmt].restype = i64
+            self._pack_a8[fmt] = getattr(lib, f"rsgl_pack_a8_{name}")
+            self._pack_a8[fmt].argtypes = [ptr, i64, i64, ptr]
+            self._unpack_rows_a8[fmt] = getattr(lib, f"rsgl_unpack_rows_a8_{name}")
+            self._unpack_rows_a8[fmt].argtypes = [ptr, i64, ptr, i64, ptr]
             for act, suffix in _ACT_SUFFIXES.items():
                 for a8, infix in ((False, ""), (True, "_a8")):
                     qlinear = getattr(lib, f"rsgl_qlinear_{name}{infix}_{suffix}")
@@ -300,7 +311,7 @@ class CpuKernels:
         self, fmt: str | None, act: torch.dtype, int8_activations: bool = False
     ) -> int:
         """The projection kernel over GGUF blocks of `fmt` (None: over load-time groups),
-        exact or with `int8_activations`."""
+        exact or with `int8_activations` (GGUF's: over the blocks `pack_a8` interleaved)."""
         if fmt is None:
             return _address(self._qlinear_group[act, int8_activations])
         return _address(self._qlinear[fmt, act, int8_activations])
@@ -525,33 +536,79 @@ class CpuKernels:
         self._argmax[act](x.data_ptr(), rows, cols, out.data_ptr(), torch.get_num_threads())
         return out
 
-    def qlinear(
-        self,
-        x: torch.Tensor,
-        blocks: torch.Tensor,
-        fmt: str,
-        int8_activations: bool = False,
-    ) -> torch.Tensor:
+    def qlinear(self, x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> torch.Tensor:
         """x [M, K] (float32 or bfloat16) times W^T, where W is stored as GGUF blocks of
         `fmt` (`QUANT_FORMATS`): blocks is uint8 [N, K / 32 * block bytes], one weight row
-        per row. Returns [M, N] of x's dtype. `int8_activations`: x quantized to int8 per
-        block of 32 first, as llama.cpp does for these formats (quant_a8.c; not the float32
-        product)."""
+        per row. Returns [M, N] of x's dtype."""
         act = _check(x)
         rows, k = _check_blocks(blocks, fmt, x.shape[1] if x.dim() == 2 else -1)
         if x.dim() != 2:
             raise ValueError("qlinear: x must be [M, K]")
+        return self._run_qlinear(self._qlinear[fmt, act, False], x, blocks, rows, k)
+
+    def _run_qlinear(
+        self, fn: Any, x: torch.Tensor, w: torch.Tensor, rows: int, k: int
+    ) -> torch.Tensor:
         out = torch.empty((x.shape[0], rows), dtype=x.dtype)
         if x.shape[0]:
-            self._qlinear[fmt, act, int8_activations](
+            fn(
                 x.data_ptr(),
                 x.shape[0],
                 k,
-                blocks.data_ptr(),
+                w.data_ptr(),
                 rows,
                 out.data_ptr(),
                 torch.get_num_threads(),
             )
+        return out
+
+    def pack_a8(self, blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+        """GGUF blocks (see `qlinear`) interleaved by eight weight rows, as the int8-
+        activation kernels read them (quant_a8.c): uint8 [ceil(N / 8), K / 32 * 8 blocks'
+        bytes], the last group padded with zero rows. The same bytes, reordered."""
+        rows, k = _check_blocks(blocks, fmt, None)
+        out = torch.empty((-(-rows // 8), self._packed_a8_bytes[fmt](8, k)), dtype=torch.uint8)
+        self._pack_a8[fmt](blocks.data_ptr(), rows, k, out.data_ptr())
+        return out
+
+    def _check_packed(self, packed: torch.Tensor, fmt: str, rows: int, k: int) -> None:
+        if fmt not in QUANT_FORMATS:
+            raise ValueError(f"GGUF format {fmt!r}: the kernels read {', '.join(QUANT_FORMATS)}")
+        shape = (-(-rows // 8), self._packed_a8_bytes[fmt](8, k))
+        if (
+            packed.dtype != torch.uint8
+            or tuple(packed.shape) != shape
+            or not packed.is_contiguous()
+            or packed.device.type != "cpu"
+        ):
+            raise ValueError(
+                f"{rows} x {k} {fmt} weights interleaved are a contiguous CPU uint8 {shape}"
+            )
+
+    def qlinear_a8(
+        self, x: torch.Tensor, packed: torch.Tensor, fmt: str, rows: int
+    ) -> torch.Tensor:
+        """x [M, K] (float32 or bfloat16) times W^T for W's GGUF blocks as `pack_a8`
+        interleaved them (`rows` weight rows), x quantized to int8 per block of 32 first,
+        as llama.cpp does for these formats (quant_a8.c; not the float32 product). Returns
+        [M, rows] of x's dtype."""
+        act = _check(x)
+        if x.dim() != 2 or x.shape[1] % QUANT_BLOCK:
+            raise ValueError(f"qlinear_a8: x must be [M, K], K a multiple of {QUANT_BLOCK}")
+        self._check_packed(packed, fmt, rows, x.shape[1])
+        return self._run_qlinear(self._qlinear[fmt, act, True], x, packed, rows, x.shape[1])
+
+    def unpack_rows_a8(
+        self, packed: torch.Tensor, fmt: str, rows: int, k: int, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Rows `ids` (int64) of a `pack_a8` matrix of `rows` x `k` weights, as the file held
+        them: uint8 [len(ids), K / 32 * block bytes]."""
+        _check_index(ids, torch.int64)
+        self._check_packed(packed, fmt, rows, k)
+        if len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < rows:
+            raise ValueError(f"unpack_rows_a8: ids must be in [0, {rows})")
+        out = torch.empty((len(ids), k // QUANT_BLOCK * QUANT_FORMATS[fmt][1]), dtype=torch.uint8)
+        self._unpack_rows_a8[fmt](packed.data_ptr(), k, ids.data_ptr(), len(ids), out.data_ptr())
         return out
 
     def dequant_rows(self, blocks: torch.Tensor, fmt: str, ids: torch.Tensor) -> torch.Tensor:

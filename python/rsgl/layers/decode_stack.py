@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from rsgl.layers.cpu_kernels import CpuKernels
-from rsgl.layers.quant_linear import GGUFBlocks, GroupQuantized, LowBitWeight
+from rsgl.layers.quant_linear import GGUFBlocks, GroupQuantized, InterleavedBlocks, LowBitWeight
 
 ENABLED = os.environ.get("RSGL_DECODE_STACK", "1") != "0"
 
@@ -176,7 +176,8 @@ class DecodeStack:
 
     def _proj(self, weight: LowBitWeight) -> _Proj:
         n, k = weight.shape
-        if isinstance(weight, GGUFBlocks):
+        if isinstance(weight, (GGUFBlocks, InterleavedBlocks)):
+            weight = weight.serving_form()  # what its kernel reads: int8 ones interleaved
             fn = self.kernels.qlinear_address(weight.fmt, self.act, weight.int8_activations)
             return _Proj(fn, None, self._hold(weight.data), None, None, k, n, k, 0)
         assert isinstance(weight, GroupQuantized)

@@ -68,7 +68,8 @@ def low_bit_max_rows(
 class GGUFBlocks:
     """A weight matrix as GGUF blocks: uint8 [rows, K / 32 * block bytes] of `fmt`,
     multiplied by float activations as they are, or quantized to int8 first
-    (`int8_activations`, `--quantization gguf_a8`)."""
+    (`int8_activations`, `--quantization gguf_a8`), which read the blocks interleaved
+    (`serving_form`: a projection is split and stacked in the file's layout first)."""
 
     kernels: CpuKernels
     fmt: str
@@ -83,11 +84,58 @@ class GGUFBlocks:
     def nbytes(self) -> int:
         return int(self.data.numel())
 
+    def serving_form(self) -> GGUFBlocks | InterleavedBlocks:
+        """The form the kernels multiply: these blocks, or with `int8_activations` the same
+        bytes interleaved by eight weight rows (`InterleavedBlocks`)."""
+        if not self.int8_activations:
+            return self
+        rows, k = self.shape
+        packed = self.kernels.pack_a8(self.data, self.fmt)
+        return InterleavedBlocks(self.kernels, self.fmt, packed, rows, k)
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.qlinear(x, self.data, self.fmt, self.int8_activations)
+        if self.int8_activations:  # interleaves the blocks for this one product
+            return self.serving_form().matmul(x)
+        return self.kernels.qlinear(x, self.data, self.fmt)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.kernels.dequant_rows(self.data, self.fmt, ids)
+
+
+@dataclass(frozen=True, slots=True)
+class InterleavedBlocks:
+    """GGUF blocks of `fmt` interleaved by eight weight rows (`CpuKernels.pack_a8`: uint8
+    [ceil(rows / 8), ...]), multiplied by activations quantized to int8 per block of 32
+    (`--quantization gguf_a8`). A register's 8 lanes are 8 weight rows, so a block's
+    scales are one load and no sum crosses lanes: SmolLM2's batch-1 products ran 1.35-1.5x
+    faster than over the file's layout on a 2-core Zen 3, at the memory bandwidth."""
+
+    kernels: CpuKernels
+    fmt: str
+    data: torch.Tensor
+    out_rows: int
+    in_features: int
+    int8_activations: bool = True
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.out_rows, self.in_features
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.numel())
+
+    def serving_form(self) -> InterleavedBlocks:
+        return self
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.qlinear_a8(x, self.data, self.fmt, self.out_rows)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        blocks = self.kernels.unpack_rows_a8(
+            self.data, self.fmt, self.out_rows, self.in_features, ids
+        )
+        return self.kernels.dequant_rows(blocks, self.fmt, torch.arange(len(ids)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +195,9 @@ class GroupQuantized:
         extra = 0 if self.mins is None else self.mins.numel() * 4
         return int(self.q.numel() + self.scales.numel() * 4 + extra)
 
+    def serving_form(self) -> GroupQuantized:
+        return self
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.qlinear_group(
             self.bits, x, self.q, self.scales, self.mins, self.group, self.int8_activations
@@ -158,7 +209,10 @@ class GroupQuantized:
         )
 
 
-LowBitWeight = GGUFBlocks | GroupQuantized
+# A low-bit matrix as a file or a load-time quantization gives it (split for tensor
+# parallelism and stacked into fused projections in this form), and as the kernels read it.
+LoadedWeight = GGUFBlocks | GroupQuantized
+LowBitWeight = LoadedWeight | InterleavedBlocks
 
 
 class QuantLinear(nn.Module):
@@ -175,7 +229,7 @@ class QuantLinear(nn.Module):
         max_rows: int = DEFAULT_MAX_ROWS,
     ) -> None:
         super().__init__()
-        self.weight = weight
+        self.weight = weight.serving_form()
         self.dense = dense
         self.max_rows = max_rows
         self.register_buffer("bias", bias, persistent=False)
@@ -197,6 +251,8 @@ class QuantLinear(nn.Module):
         w = self.weight
         if isinstance(w, GGUFBlocks):
             kind = w.fmt
+        elif isinstance(w, InterleavedBlocks):
+            kind = f"{w.fmt} interleaved, int8 activations"
         else:
             minimums = ", with minimums" if w.bits == 8 and w.mins is not None else ""
             kind = f"int{w.bits}, group {w.group}{minimums}"
@@ -212,6 +268,8 @@ __all__ = [
     "INT8_ACTIVATIONS_MAX_ROWS",
     "GGUFBlocks",
     "GroupQuantized",
+    "InterleavedBlocks",
+    "LoadedWeight",
     "LowBitWeight",
     "QuantLinear",
     "low_bit_max_rows",

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from rsgl.layers.cpu_kernels import QUANT_BLOCK, QUANT_FORMATS, CpuKernels
-from rsgl.layers.quant_linear import GGUFBlocks, GroupQuantized, LowBitWeight
+from rsgl.layers.quant_linear import GGUFBlocks, GroupQuantized, LoadedWeight
 
 # The `--quantization` values (rsgl.args.QUANTIZATIONS) that read a GGUF file's blocks.
 GGUF_MODES = ("gguf", "gguf_a8")
@@ -218,7 +218,7 @@ _K_QUANTS = {"Q3_K": q3_k_groups, "Q4_K": q4_k_groups, "Q5_K": q5_k_groups, "Q6_
 
 def read_blocks(
     path: Path, kernels: CpuKernels, int8_activations: bool = False
-) -> dict[str, LowBitWeight]:
+) -> dict[str, LoadedWeight]:
     """Every projection and embedding tensor of `path` stored in a format the kernels read
     (`QUANT_FORMATS`, and Q3_K to Q6_K as groups), by HF name; tensors in other formats are
     left out (they stay dense). `int8_activations`: the products quantize the activations
@@ -226,7 +226,7 @@ def read_blocks(
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
-    out: dict[str, LowBitWeight] = {}
+    out: dict[str, LoadedWeight] = {}
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         fmt = tensor.tensor_type.name

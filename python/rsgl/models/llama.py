@@ -19,7 +19,13 @@ from rsgl.layers.cpu_kernels import ACT_DTYPES, QUANT_BLOCK, CpuKernels, load_cp
 from rsgl.layers.linear import PackedLinear, can_pack, pack_linears
 from rsgl.layers.norm import RMSNorm
 from rsgl.layers.parallel import RowParallelLinear, VocabParallelEmbedding
-from rsgl.layers.quant_linear import GGUFBlocks, GroupQuantized, LowBitWeight, QuantLinear
+from rsgl.layers.quant_linear import (
+    GGUFBlocks,
+    GroupQuantized,
+    LoadedWeight,
+    LowBitWeight,
+    QuantLinear,
+)
 from rsgl.layers.rotary import RotaryEmbedding, apply_rotary, interleave_rotary_pairs
 from rsgl.models.config import ModelConfig
 
@@ -334,7 +340,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             setattr(owner, attr, QuantLinear(weight, dense, dense.bias, max_rows))
 
-    def _rank_blocks(self, name: str, blocks: LowBitWeight) -> LowBitWeight:
+    def _rank_blocks(self, name: str, blocks: LoadedWeight) -> LoadedWeight:
         """This rank's part of checkpoint matrix `name` in low-bit form: whole blocks of 32
         input columns (whole groups), so a column split must fall on a block boundary."""
         rows, k = blocks.shape
@@ -356,7 +362,7 @@ class LlamaForCausalLM(nn.Module):
         )
 
     @torch.no_grad()
-    def use_gguf_blocks(self, blocks: Mapping[str, LowBitWeight], max_rows: int) -> int:
+    def use_gguf_blocks(self, blocks: Mapping[str, LoadedWeight], max_rows: int) -> int:
         """Serve the projections and the LM head from a GGUF file's own blocks (HF names ->
         `GGUFBlocks`, or K-quants' groups: `rsgl.models.gguf_weights.read_blocks`) for
         batches of up to `max_rows` rows; the dense
@@ -603,7 +609,7 @@ class _Stack:
     max_rows: int
 
 
-def _stacked(parts: list[LowBitWeight]) -> LowBitWeight | None:
+def _stacked(parts: list[LoadedWeight]) -> LoadedWeight | None:
     """The parts of a fused projection as one matrix (their rows in order), or None unless
     they share one form: GGUF blocks of one format, or groups of one width and bits."""
     blocks = [p for p in parts if isinstance(p, GGUFBlocks)]
