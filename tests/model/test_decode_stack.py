@@ -39,6 +39,7 @@ PROMPTS = [
     [1, 42, 43],
 ]
 STEPS = 12
+MAX_RUNNING = 40
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -47,7 +48,7 @@ def runner(request: pytest.FixtureRequest) -> ModelRunner:
         pytest.skip("no C compiler: the decode stack is a C kernel")
     config = CONFIGS[request.param]
     return ModelRunner.from_pretrained(
-        None, kv_buffer_size=2048, max_running_requests=40, context_len=256, **config
+        None, kv_buffer_size=2048, max_running_requests=MAX_RUNNING, context_len=256, **config
     )
 
 
@@ -119,9 +120,12 @@ def test_a_batch_above_the_low_bit_rows_stays_on_the_layer_path(
 ) -> None:
     head = runner.model.low_bit_lm_head
     assert head is not None
-    prompts = [[1, 100 + i, 200 + i] for i in range(head.max_rows + 1)]
+    # Int8 activations read the blocks at every batch size (INT8_ACTIVATIONS_MAX_ROWS): there
+    # the runner's most requests, and their prefill of a row per token, run in the stack.
+    n = min(head.max_rows + 1, MAX_RUNNING)
+    prompts = [[1, 100 + i, 200 + i] for i in range(n)]
     (tokens, logits), (layer_tokens, layer_logits) = both_paths(runner, prompts, monkeypatch)
-    assert stack_calls == []
+    assert stack_calls == ([] if n > head.max_rows else [3 * n] + [n] * STEPS)
     assert tokens == layer_tokens
     assert all(np.array_equal(a, b) for a, b in zip(logits, layer_logits, strict=True))
 
