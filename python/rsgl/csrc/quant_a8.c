@@ -477,6 +477,7 @@ static inline __attribute__((always_inline)) void x8_tile(const int fmt, const u
                     const __m256i xs = _mm256_sign_epi8(broadcast4(q + r * K + k * QK + 4 * g), v);
                     s[r] = _mm256_add_epi32(
                         s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, xs), ones));
+                    __asm__("" : "+x"(s[r])); /* see below */
                 }
             }
         } else {
@@ -490,6 +491,10 @@ static inline __attribute__((always_inline)) void x8_tile(const int fmt, const u
                     s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(lo, broadcast4(qx + 4 * g)));
                     s[r] = _mm256_add_epi16(
                         s[r], _mm256_maddubs_epi16(hi, broadcast4(qx + 16 + 4 * g)));
+                    /* Each register's products added as they come: left free, the compiler
+                       computed all of a block's products first and spilled them to the
+                       stack (64 rows: 14.5 cycles an 8-row block and row, 12.9 pinned). */
+                    __asm__("" : "+x"(s[r]));
                 }
             }
             for (int r = 0; r < R; r++) s[r] = _mm256_madd_epi16(s[r], ones);
