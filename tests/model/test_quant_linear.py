@@ -21,6 +21,7 @@ from rsgl.layers.cpu_kernels import QUANT_FORMATS, CpuKernels, load_cpu_kernels
 from rsgl.layers.quant_linear import (
     DEFAULT_MAX_ROWS,
     INT8_ACTIVATIONS_MAX_ROWS,
+    INTERLEAVED_INT8_MAX_ROWS,
     GGUFBlocks,
     GroupQuantized,
     InterleavedBlocks,
@@ -628,6 +629,12 @@ def test_the_blocks_serve_each_cpus_rows() -> None:
         assert low_bit_max_rows(avx2, dtype) == DEFAULT_MAX_ROWS  # type: ignore[arg-type]
     a8 = low_bit_max_rows(avx2, torch.float32, int8_activations=True)  # type: ignore[arg-type]
     assert a8 == INT8_ACTIVATIONS_MAX_ROWS
+    # GGUF's blocks, interleaved for int8 activations, serve every batch on AVX2; without
+    # AVX2 their kernels are plain C and keep the limit.
+    blocks = low_bit_max_rows(avx2, torch.float32, True, interleaved=True)  # type: ignore[arg-type]
+    assert blocks == INTERLEAVED_INT8_MAX_ROWS
+    plain = SimpleNamespace(isa=("sse2",))
+    assert low_bit_max_rows(plain, torch.float32, True, True) == INT8_ACTIVATIONS_MAX_ROWS  # type: ignore[arg-type]
     avx512 = SimpleNamespace(isa=("avx2", "fma", "f16c", "avx512f"))
     assert low_bit_max_rows(avx512, torch.float32) == 32  # type: ignore[arg-type]
     assert low_bit_max_rows(avx512, torch.bfloat16) == 12  # type: ignore[arg-type]

@@ -86,9 +86,10 @@ def load(
         kv_cache_dtype=kv_cache_dtype,
     )
     if quantization == "gguf_a8":
-        # Its dense copy holds the float32 weights, which prefill chunks multiply as they
-        # are; decode steps quantize their activations, and that is what is measured here:
-        # every row of the teacher-forced prefill goes through the int8 kernels.
+        # Where prefill chunks multiply the dense copy (its float32 weights as they are: the
+        # K-quants' groups, a CPU without AVX2 or with AVX-512), they do not quantize their
+        # activations as decode steps do, and that is what is measured here: every row of
+        # the teacher-forced prefill goes through the int8 kernels.
         for module in runner.model.modules():
             if isinstance(module, QuantLinear):
                 module.max_rows = sys.maxsize

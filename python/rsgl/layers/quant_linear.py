@@ -37,20 +37,30 @@ from rsgl.layers.cpu_kernels import QUANT_BLOCK, QUANT_FORMATS, CpuKernels
 # at 24, 116 vs 115 at 32.
 DEFAULT_MAX_ROWS = 24
 
-# The same for int8 activations (`gguf_a8`): over the blocks interleaved by eight weight rows,
-# their integer dot products beat the dense copy's GEMM at every size measured, so every
-# batch reads the blocks. SmolLM2 on the same Zen 3 (`rsgl bench one-batch --quantization
-# gguf_a8`, two alternated runs each, blocks vs dense): decode steps of 24 rows 44.5 / 45.0 vs
-# 97.8 / 112.8 ms, 64 rows 119 / 120 vs 193 / 204, 128 rows 235 / 246 vs 334 / 344; prefills
-# of 512 rows 0.79 / 0.84 vs 1.02 / 1.02 s, of 12,800 rows 23.6 / 19.3 vs 21.7 / 22.6 s.
-INT8_ACTIVATIONS_MAX_ROWS = 1 << 30
+# The same for int8 activations (`gguf_a8`) over load-time groups (GGUF's K-quants), read row
+# after row. SmolLM2's decode steps on the same Zen 3 (`rsgl bench one-batch --quantization
+# gguf_a8`, ms a step, median of two alternated runs, blocks vs dense): 56 vs 84 at batch 16,
+# 77 vs 109 at 24, 119 vs 128 at 32, where the matmuls alone already favour the dense copy.
+INT8_ACTIVATIONS_MAX_ROWS = 24
+
+# Int8 activations over GGUF's blocks interleaved by eight weight rows, on AVX2: their integer
+# dot products beat the dense copy's GEMM at every size measured, so every batch reads the
+# blocks. SmolLM2 on the same Zen 3 (two alternated runs each, blocks vs dense): decode steps
+# of 24 rows 44.5 / 45.0 vs 97.8 / 112.8 ms, 64 rows 119 / 120 vs 193 / 204, 128 rows 235 /
+# 246 vs 334 / 344; prefills of 512 rows 0.79 / 0.84 vs 1.02 / 1.02 s, of 12,800 rows 23.6 /
+# 19.3 vs 21.7 / 22.6 s. (Without AVX2 the kernels are plain C: the limit stays 24.)
+INTERLEAVED_INT8_MAX_ROWS = 1 << 30
 
 
 def low_bit_max_rows(
-    kernels: CpuKernels, dtype: torch.dtype, int8_activations: bool = False
+    kernels: CpuKernels,
+    dtype: torch.dtype,
+    int8_activations: bool = False,
+    interleaved: bool = False,
 ) -> int:
     """The rows up to which projections of `dtype` activations read low-bit weights
-    (quantized to int8 first with `int8_activations`).
+    (quantized to int8 first with `int8_activations`; `interleaved`: GGUF's blocks, which
+    int8 activations read interleaved, rather than load-time groups).
 
     The AVX-512 kernels rebuild a weight row once for 8 rows of x (`quant.c`), so the
     blocks stay ahead of the dense copy much longer. SmolLM2's decode steps on 2 Sapphire
@@ -61,6 +71,8 @@ def low_bit_max_rows(
     int8-activation kernels have no AVX-512 form, so there they keep the exact kernels'
     limits (not measured: no AVX-512 machine since they were written)."""
     if "avx512f" not in kernels.isa:
+        if int8_activations and interleaved and "avx2" in kernels.isa:
+            return INTERLEAVED_INT8_MAX_ROWS
         return INT8_ACTIVATIONS_MAX_ROWS if int8_activations else DEFAULT_MAX_ROWS
     return 32 if dtype == torch.float32 else 12
 
@@ -267,6 +279,7 @@ class QuantLinear(nn.Module):
 __all__ = [
     "DEFAULT_MAX_ROWS",
     "INT8_ACTIVATIONS_MAX_ROWS",
+    "INTERLEAVED_INT8_MAX_ROWS",
     "GGUFBlocks",
     "GroupQuantized",
     "InterleavedBlocks",

@@ -362,10 +362,16 @@ class LlamaForCausalLM(nn.Module):
         )
 
     @torch.no_grad()
-    def use_gguf_blocks(self, blocks: Mapping[str, LoadedWeight], max_rows: int) -> int:
+    def use_gguf_blocks(
+        self,
+        blocks: Mapping[str, LoadedWeight],
+        max_rows: int,
+        blocks_max_rows: int | None = None,
+    ) -> int:
         """Serve the projections and the LM head from a GGUF file's own blocks (HF names ->
         `GGUFBlocks`, or K-quants' groups: `rsgl.models.gguf_weights.read_blocks`) for
-        batches of up to `max_rows` rows; the dense
+        batches of up to `max_rows` rows (`blocks_max_rows`, where given, for GGUF's blocks
+        and `max_rows` for the groups: `low_bit_max_rows`' `interleaved`); the dense
         weights (the same numbers) stay for larger ones. A fused projection needs all of its
         parts in one form; matrices whose blocks are missing stay dense. Call after
         `load_weights` and before `pack_cpu_weights`. Returns how many matrices read blocks.
@@ -382,7 +388,7 @@ class LlamaForCausalLM(nn.Module):
             if weight is None:
                 continue
             _check_same_values(getattr(owner, attr).weight, weight)
-            self._install(owner, attr, weight, max_rows)
+            self._install(owner, attr, weight, _rows_for(weight, max_rows, blocks_max_rows))
             count += 1
         head_name = (
             "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
@@ -390,7 +396,8 @@ class LlamaForCausalLM(nn.Module):
         if head_name in blocks:
             head = self._rank_blocks(head_name, blocks[head_name])
             _check_same_values(self.lm_head_weight(), head)
-            self.low_bit_lm_head = QuantLinear(head, max_rows=max_rows)
+            rows = _rows_for(head, max_rows, blocks_max_rows)
+            self.low_bit_lm_head = QuantLinear(head, max_rows=rows)
             count += 1
         return count
 
@@ -607,6 +614,13 @@ class _Stack:
 
     stack: decode_stack.DecodeStack
     max_rows: int
+
+
+def _rows_for(weight: LoadedWeight, max_rows: int, blocks_max_rows: int | None) -> int:
+    """The most rows `weight` serves: GGUF blocks `blocks_max_rows` where given."""
+    if blocks_max_rows is not None and isinstance(weight, GGUFBlocks):
+        return blocks_max_rows
+    return max_rows
 
 
 def _stacked(parts: list[LoadedWeight]) -> LoadedWeight | None:

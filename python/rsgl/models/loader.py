@@ -228,7 +228,11 @@ def load_model(
         assert source is not None and kernels is not None
         int8_activations = chosen == "gguf_a8"
         blocks = read_blocks(source, kernels, int8_activations=int8_activations)
-        count = net.use_gguf_blocks(blocks, low_bit_max_rows(kernels, dtype, int8_activations))
+        count = net.use_gguf_blocks(
+            blocks,
+            low_bit_max_rows(kernels, dtype, int8_activations),
+            low_bit_max_rows(kernels, dtype, int8_activations, interleaved=True),
+        )
         logger.info("%d weight matrices read %s's own blocks", count, source.name)
     elif chosen in ("int8", "int4"):
         assert kernels is not None
