@@ -92,7 +92,8 @@ static inline QMat group_mat(int bits, const uint8_t* w, const float* scales,
     return a;
 }
 
-/* The kernels' tiles (quant.c's AVX2 float32 rows, quant_a8.c's int8 rows): rows of x in
+/* The kernels' tiles (quant.c's AVX2 float32 rows, quant_a8.c's int8 rows over load-time
+   groups; the interleaved GGUF blocks take X8_ROWS at a time instead): rows of x in
    tiles of equal height, up to X_ROWS (9 rows: 5 and 4, not 8 and a lone row that pays for a
    whole pass over the weights), each against a few weight rows at a time: a lone row of x
    four (more loads of x shared, fewer row setups), up to 4 rows two, taller tiles one (8

@@ -44,8 +44,9 @@ static inline int64_t qx_index(int paired, int64_t nb, int64_t b, int i) {
 
 /* Row x[K] quantized per block: q[K] int8 (laid out by qx_index), and per block the pair
    (dx, dx * sum(q)) in ds[2b], ds[2b + 1]. The AVX2 path rounds as rintf does (the
-   conversion rounds to nearest even) and gives the same bytes; at 64 rows it was a twelfth
-   of a step's products in plain C. */
+   conversion rounds to nearest even) and gives the same bytes for finite x (where x * id
+   is not: an infinity, or a block max so small that 127 / max overflows, it writes -128,
+   the plain loop's cast 0); at 64 rows it was a twelfth of a step's products in plain C. */
 static void quantize_row(const float* x, int64_t K, int paired, int8_t* q, float* ds) {
     const int64_t nb = K / QK;
     for (int64_t b = 0; b < nb; b++) {
@@ -370,20 +371,24 @@ static void qlinear_a8_f32(const QMat* a, const float* x, int64_t M, int64_t K, 
     free(buf);
 }
 
-static void qlinear_a8_bf16(const QMat* a, const uint16_t* x, int64_t M, int64_t K, int64_t N,
-                            uint16_t* y, int threads) {
+/* bfloat16 activations for either layout's float32 kernel: x widened, the product rounded
+   back. */
+typedef void (*A8Linear)(const QMat* a, const float* x, int64_t M, int64_t K, int64_t N,
+                         float* y, int threads);
+static void qlinear_a8_bf16(A8Linear f32, const QMat* a, const uint16_t* x, int64_t M,
+                            int64_t K, int64_t N, uint16_t* y, int threads) {
     float* xf = (float*)malloc((size_t)(M * K + M * N) * sizeof(float));
     if (!xf) abort();
     float* yf = xf + M * K;
     widen_bf16(x, xf, M * K);
-    qlinear_a8_f32(a, xf, M, K, N, yf, threads);
+    f32(a, xf, M, K, N, yf, threads);
     for (int64_t i = 0; i < M * N; i++) bf16_store(y, i, yf[i]);
     free(xf);
 }
 
 /* ------------------------------------------------------------------------------------------
-   GGUF's Q4_0, Q4_1 and Q8_0 blocks, interleaved by eight weight rows (rsgl_pack_a8, when a
-   model loads). Reading each row's blocks as the file lays them out, a batch-1 product paid,
+   GGUF's Q4_0, Q4_1 and Q8_0 blocks, interleaved by eight weight rows (rsgl_pack_a8_*, when
+   a projection is installed). Reading each row's blocks as the file lays them out, a batch-1 product paid,
    per weight row, the blocks' scales and a horizontal sum of 8 lanes, about as many
    instructions as the integer dots themselves for SmolLM2's 576-wide rows. Interleaved, one
    register's 8 lanes are 8 weight rows: a block's 8 scales are one fp16 load, its products
@@ -557,9 +562,12 @@ static inline void x8_rows(const int fmt, const uint8_t* grp, int64_t nb, const 
    next tile: 18 blocks of a 576-wide row are 2.9 KB). */
 #define X8_ROWS 4
 
-static void qlinear_x8_f32(int fmt, const uint8_t* w, const float* x, int64_t M, int64_t K,
-                           int64_t N, float* y, int threads) {
+/* `a`: gguf_mat over the interleaved bytes (its fmt and w; rows are groups of 8 here). */
+static void qlinear_x8_f32(const QMat* a, const float* x, int64_t M, int64_t K, int64_t N,
+                           float* y, int threads) {
     if (M <= 0) return;
+    const int fmt = a->fmt;
+    const uint8_t* w = a->w;
     const int64_t nb = K / QK, groups = (N + 7) / 8, gb = nb * x8_block_bytes(fmt);
     char* buf = (char*)malloc((size_t)(M * K + 2 * M * nb * (int64_t)sizeof(float)));
     if (!buf) abort();
@@ -584,27 +592,18 @@ static void qlinear_x8_f32(int fmt, const uint8_t* w, const float* x, int64_t M,
     free(buf);
 }
 
-static void qlinear_x8_bf16(int fmt, const uint8_t* w, const uint16_t* x, int64_t M, int64_t K,
-                            int64_t N, uint16_t* y, int threads) {
-    float* xf = (float*)malloc((size_t)(M * K + M * N) * sizeof(float));
-    if (!xf) abort();
-    float* yf = xf + M * K;
-    widen_bf16(x, xf, M * K);
-    qlinear_x8_f32(fmt, w, xf, M, K, N, yf, threads);
-    for (int64_t i = 0; i < M * N; i++) bf16_store(y, i, yf[i]);
-    free(xf);
-}
-
 /* Per GGUF format: the product over its interleaved blocks (`w` as rsgl_pack_a8_* wrote it,
    N rows), the packing, and rows `ids` back in the file's layout. */
 #define A8_FORMAT(name, fmt)                                                                   \
     void rsgl_qlinear_##name##_a8_f32(const float* x, int64_t M, int64_t K, const uint8_t* w, \
                                       int64_t N, float* y, int threads) {                      \
-        qlinear_x8_f32(fmt, w, x, M, K, N, y, threads);                                        \
+        const QMat a = gguf_mat(fmt, w, K);                                                    \
+        qlinear_x8_f32(&a, x, M, K, N, y, threads);                                            \
     }                                                                                          \
     void rsgl_qlinear_##name##_a8_bf16(const uint16_t* x, int64_t M, int64_t K,                \
                                        const uint8_t* w, int64_t N, uint16_t* y, int threads) { \
-        qlinear_x8_bf16(fmt, w, x, M, K, N, y, threads);                                       \
+        const QMat a = gguf_mat(fmt, w, K);                                                    \
+        qlinear_a8_bf16(qlinear_x8_f32, &a, x, M, K, N, y, threads);                           \
     }                                                                                          \
     int64_t rsgl_packed_a8_bytes_##name(int64_t N, int64_t K) {                                \
         return (N + 7) / 8 * (K / QK) * x8_block_bytes(fmt);                                   \
@@ -633,5 +632,5 @@ void rsgl_qlinear_group_a8_bf16(int bits, const uint16_t* x, int64_t M, int64_t 
                                 const uint8_t* w, const float* scales, const float* mins,
                                 int64_t group, int64_t N, uint16_t* y, int threads) {
     const QMat a = group_mat(bits, w, scales, mins, K, group);
-    qlinear_a8_bf16(&a, x, M, K, N, y, threads);
+    qlinear_a8_bf16(qlinear_a8_f32, &a, x, M, K, N, y, threads);
 }
