@@ -276,7 +276,7 @@ def test_the_kernels_are_built_for_the_features_rsgl_reports(kernels: CpuKernels
     # The paths that run follow `rsgl.cpu_features` (RSGL_CPU_FEATURES' level included):
     # AVX-512 code only where the CPU is treated as having it, SSE2 loops where not even AVX.
     flags = cpu_flags()
-    for feature in ("avx512f", "avx512_bf16", "avx2", "fma", "f16c"):
+    for feature in ("avx512f", "avx512_bf16", "avx512_vnni", "avx2", "fma", "f16c"):
         assert (feature in kernels.isa) == (feature in flags), (feature, kernels.isa)
     assert ("sse2" in kernels.isa) == ("avx" not in flags)
 

@@ -6,6 +6,7 @@ dequantized model's greedy tokens."""
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,8 +17,15 @@ from gguf import GGMLQuantizationType, quants
 from kquants import QUANTIZERS, k_quant_copy, quantize_q3_k, quantize_q6_k
 
 from rsgl.args import EngineArgs
+from rsgl.cpu_features import ENV, LEVELS, missing_flags
 from rsgl.engine import Engine
-from rsgl.layers.cpu_kernels import QUANT_FORMATS, CpuKernels, load_cpu_kernels
+from rsgl.layers.cpu_kernels import (
+    CSRC,
+    QUANT_FORMATS,
+    CpuKernels,
+    compile_kernels,
+    load_cpu_kernels,
+)
 from rsgl.layers.quant_linear import (
     DEFAULT_MAX_ROWS,
     INT8_ACTIVATIONS_MAX_ROWS,
@@ -154,6 +162,32 @@ def test_int8_activations_multiply_the_blocks_by_the_quantized_rows(
     assert torch.equal(weight.rows(ids), kernels.dequant_rows(blocks, fmt, ids))
     with pytest.raises(ValueError, match="interleaved"):
         kernels.qlinear_a8(x, packed, fmt, 75)
+
+
+def test_int8_activations_give_the_same_floats_at_every_simd_level(
+    kernels: CpuKernels, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # AVX512-VNNI's byte dots and AVX2's multiply-adds make the same integer sums, and the
+    # floats around them are the same operations in the same order: a request's tokens under
+    # gguf_a8 do not depend on which of these builds the CPU runs. Each level this CPU has
+    # (AVX2, and AVX-512 without VNNI where it has more) against the build for the CPU as is.
+    levels = [name for name in ("avx2", "avx512") if not missing_flags(LEVELS[name])]
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if not levels or compiler is None:
+        pytest.skip("the int8 kernels' SIMD forms need AVX2 and a C compiler")
+    x = torch.randn(9, 32 * 19, generator=torch.Generator().manual_seed(8))
+    weights = {}
+    for fmt in QUANT_FORMATS:
+        packed = kernels.pack_a8(_random_blocks(fmt, 21, 32 * 19, seed=9)[0], fmt)
+        weights[fmt] = packed, kernels.qlinear_a8(x, packed, fmt, 21)
+    for level in levels:
+        monkeypatch.setenv(ENV, level)
+        library = tmp_path / f"{level}.so"
+        assert compile_kernels(CSRC, library, compiler) is None
+        built = CpuKernels(library)
+        assert "avx512_vnni" not in built.isa
+        for fmt, (packed, want) in weights.items():
+            assert torch.equal(built.qlinear_a8(x, packed, fmt, 21), want), (level, fmt)
 
 
 def test_bfloat16_activations_round_once(kernels: CpuKernels) -> None:

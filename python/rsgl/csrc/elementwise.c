@@ -76,6 +76,9 @@ const char* rsgl_kernel_isa(void) {
 #if defined(__AVX512BF16__)
            " avx512_bf16"
 #endif
+#if defined(__AVX512VNNI__)
+           " avx512_vnni"
+#endif
 #if defined(__AVX2__)
            " avx2"
 #endif
