@@ -672,3 +672,8 @@ def test_the_blocks_serve_each_cpus_rows() -> None:
     avx512 = SimpleNamespace(isa=("avx2", "fma", "f16c", "avx512f"))
     assert low_bit_max_rows(avx512, torch.float32) == 32  # type: ignore[arg-type]
     assert low_bit_max_rows(avx512, torch.bfloat16) == 12  # type: ignore[arg-type]
+    # With AVX-512 the interleaved blocks still serve every float32 batch; bfloat16's dense
+    # copy, multiplied natively there, takes over past 64 rows.
+    for dtype, rows in ((torch.float32, INTERLEAVED_INT8_MAX_ROWS), (torch.bfloat16, 64)):
+        assert low_bit_max_rows(avx512, dtype, True, interleaved=True) == rows  # type: ignore[arg-type]
+    assert low_bit_max_rows(avx512, torch.float32, True) == 32  # type: ignore[arg-type]

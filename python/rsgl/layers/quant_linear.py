@@ -48,8 +48,18 @@ INT8_ACTIVATIONS_MAX_ROWS = 24
 # blocks. SmolLM2 on the same Zen 3 (two alternated runs each, blocks vs dense): decode steps
 # of 24 rows 44.5 / 45.0 vs 97.8 / 112.8 ms, 64 rows 119 / 120 vs 193 / 204, 128 rows 235 /
 # 246 vs 334 / 344; prefills of 512 rows 0.79 / 0.84 vs 1.02 / 1.02 s, of 12,800 rows 23.6 /
-# 19.3 vs 21.7 / 22.6 s. (Without AVX2 the kernels are plain C: the limit stays 24.)
+# 19.3 vs 21.7 / 22.6 s. (Without AVX2 the kernels are plain C: the limit stays 24.) So too
+# with AVX-512 for float32: on a 2-core AMD EPYC Zen 4 (AVX512-VNNI), decode steps of 64 rows
+# 76.7 / 64.1 vs 124 / 129 ms, 128 rows 138 / 123 vs 262 / 225, their prefills of 8,192 rows
+# 6.6 / 6.1 vs 10.0 / 10.4 s; built without VNNI (`RSGL_CPU_FEATURES=avx512`) 64 rows 72.0 /
+# 72.5 vs 127 / 129.
 INTERLEAVED_INT8_MAX_ROWS = 1 << 30
+
+# The same for bfloat16 activations where AVX-512 runs the dense copy (which multiplies
+# bfloat16 natively on AVX512-BF16 and AMX; the int8 kernels widen x to float32): on the Zen 4,
+# decode steps of 64 rows 61.7 / 62.1 vs 80.5 / 78.3 ms, 128 rows 135 / 106 vs 124 / 112, and
+# the dense copy's prefill of 8,192 rows 1.4x faster. (Not measured on AMX.)
+INTERLEAVED_INT8_BF16_AVX512_MAX_ROWS = 64
 
 
 def low_bit_max_rows(
@@ -67,12 +77,17 @@ def low_bit_max_rows(
     Rapids cores (`rsgl bench one-batch`, ms a step, blocks vs dense): float32 21.5 vs 73.6
     at batch 8, 41.6 vs 92.9 at 16, 93 vs 109 at 32, 199 vs 176 at 64; bfloat16 (whose dense
     copy runs on AMX) 26.3 vs 39.8 at 8, 34.4 vs 39.7 at 12, 51.3 vs 42.7 at 16. A CPU
-    without AMX runs the dense bfloat16 copy slower, so its crossover is no lower. The
-    int8-activation kernels have no AVX-512 form, so there they keep the exact kernels'
-    limits (not measured: no AVX-512 machine since they were written)."""
-    if "avx512f" not in kernels.isa:
-        if int8_activations and interleaved and "avx2" in kernels.isa:
+    without AMX runs the dense bfloat16 copy slower, so its crossover is no lower. Int8
+    activations over load-time groups (no AVX-512 form) keep the exact kernels' limits
+    there; over GGUF's interleaved blocks (AVX512-VNNI's dot products where the CPU has
+    them) they serve every float32 batch wherever AVX2 runs, and 64 rows of bfloat16 with
+    AVX-512 (the constants above)."""
+    avx512 = "avx512f" in kernels.isa
+    if int8_activations and interleaved and "avx2" in kernels.isa:
+        if dtype == torch.float32 or not avx512:
             return INTERLEAVED_INT8_MAX_ROWS
+        return INTERLEAVED_INT8_BF16_AVX512_MAX_ROWS
+    if not avx512:
         return INT8_ACTIVATIONS_MAX_ROWS if int8_activations else DEFAULT_MAX_ROWS
     return 32 if dtype == torch.float32 else 12
 
@@ -279,6 +294,7 @@ class QuantLinear(nn.Module):
 __all__ = [
     "DEFAULT_MAX_ROWS",
     "INT8_ACTIVATIONS_MAX_ROWS",
+    "INTERLEAVED_INT8_BF16_AVX512_MAX_ROWS",
     "INTERLEAVED_INT8_MAX_ROWS",
     "GGUFBlocks",
     "GroupQuantized",
