@@ -24,7 +24,7 @@ from rsgl.grammar.backend import GrammarBackend, GrammarOptions
 from rsgl.grammar.compiler import GrammarCompiler
 from rsgl.grammar.registry import make_backend
 from rsgl.layers.cpu_kernels import load_cpu_kernels
-from rsgl.layers.quant_linear import QuantLinear
+from rsgl.layers.quant_linear import low_bit_rows_of
 from rsgl.model_executor.executor import StepExecutor, on_compute_thread, run_on_compute_thread
 from rsgl.model_executor.kv_cache import KVCache, resolve_kv_cache_dtype
 from rsgl.model_executor.model_runner import ModelRunner
@@ -92,11 +92,7 @@ class ModelStack:
         """The most rows a step may have and still read the low-bit weights (None: no
         low-bit weights)."""
         model = getattr(getattr(self.runner, "loaded", None), "model", None)
-        if model is None:
-            return None
-        modules = [m for m in model.modules() if isinstance(m, QuantLinear)]
-        rows = [m.max_rows for m in modules]
-        return max(rows) if rows else None
+        return None if model is None else low_bit_rows_of(model)
 
 
 def build_stack(args: EngineArgs) -> ModelStack:

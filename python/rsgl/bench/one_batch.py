@@ -33,7 +33,7 @@ import torch
 from rsgl._core import Plan
 from rsgl.args import KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS
 from rsgl.layers.linear import PackedLinear
-from rsgl.layers.quant_linear import QuantLinear
+from rsgl.layers.quant_linear import QuantLinear, force_low_bit_max_rows, low_bit_rows_of
 from rsgl.model_executor.executor import CudaStreamExecutor
 from rsgl.model_executor.kv_cache import KVCache
 from rsgl.model_executor.model_runner import ModelRunner
@@ -216,6 +216,9 @@ def run(args: argparse.Namespace) -> dict[str, object] | list[dict[str, object]]
         cuda_graph_max_bs=args.cuda_graph_max_bs or batch,
         disable_cuda_graph=args.disable_cuda_graph,
     )
+    forced = args.low_bit_max_rows
+    if forced is not None and not force_low_bit_max_rows(runner.model, forced):
+        raise SystemExit("--low-bit-max-rows: this model has no low-bit weights")
     if device.type == "cuda":
         return _run_cuda(args, runner)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=output_len, ignore_eos=True)
@@ -289,6 +292,9 @@ def run(args: argparse.Namespace) -> dict[str, object] | list[dict[str, object]]
         "decode_step_ms_median": round(1000 * median_step, 2),
         "decode_tok_s": round(decode_tok_s, 1),
         "quantization": runner.loaded.quantization,
+        # Steps of up to this many rows read the low-bit weights, larger ones the dense copy
+        # (None: no low-bit weights; --low-bit-max-rows forces it).
+        "low_bit_max_rows": low_bit_rows_of(runner.model),
         "weight_mb_per_step": round(weight_bytes / 1e6, 1),
         "kv_mb_per_step": round(kv_bytes / 1e6, 1),
         "memory_read_gb_s": round(bandwidth / 1e9, 2),
@@ -410,6 +416,13 @@ def main(argv: list[str]) -> int:
         "none (as loaded); default: gguf for GGUF files on CPU",
     )
     parser.add_argument("--quantization-group-size", type=int, default=None)
+    parser.add_argument(
+        "--low-bit-max-rows",
+        type=int,
+        default=None,
+        help="steps of up to this many rows read the low-bit weights, larger ones the dense "
+        "copy (default: what rsgl chose for this CPU and dtype); to measure the crossover",
+    )
     parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     parser.add_argument("--seed", type=int, default=0)

@@ -291,6 +291,27 @@ class QuantLinear(nn.Module):
         )
 
 
+def low_bit_rows_of(model: nn.Module) -> int | None:
+    """The most rows a step of `model` may have and still read its low-bit weights (None:
+    it has none)."""
+    rows = [m.max_rows for m in model.modules() if isinstance(m, QuantLinear)]
+    return max(rows) if rows else None
+
+
+def force_low_bit_max_rows(model: nn.Module, rows: int) -> int:
+    """Make every low-bit projection of `model` (and its low-bit LM head) read the low-bit
+    weights for steps of up to `rows` rows and the dense copy above, in place of the limit
+    `low_bit_max_rows` chose for this CPU, so that a crossover can be measured (`rsgl bench
+    one-batch --low-bit-max-rows`). Before the model's first step: its decode stack reads
+    the limits when it is built. Returns how many modules it changed."""
+    if rows < 0:
+        raise ValueError(f"low-bit max rows must be >= 0, not {rows}")
+    modules = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    for m in modules:
+        m.max_rows = rows
+    return len(modules)
+
+
 __all__ = [
     "DEFAULT_MAX_ROWS",
     "INT8_ACTIVATIONS_MAX_ROWS",
@@ -302,5 +323,7 @@ __all__ = [
     "LoadedWeight",
     "LowBitWeight",
     "QuantLinear",
+    "force_low_bit_max_rows",
     "low_bit_max_rows",
+    "low_bit_rows_of",
 ]

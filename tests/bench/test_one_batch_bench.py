@@ -1,0 +1,38 @@
+"""`rsgl bench one-batch` on tiny sizes: `--low-bit-max-rows` moves a step of the embedded
+GGUF between its low-bit blocks and the dense copy, whatever limit this CPU would choose."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from torch import nn
+
+from rsgl.bench import one_batch
+from rsgl.layers.quant_linear import force_low_bit_max_rows
+
+
+def _run(capsys: pytest.CaptureFixture[str], *extra: str) -> dict[str, Any]:
+    argv = ["--batch", "3", "--input-len", "8", "--output-len", "3", "--dtype", "float32"]
+    assert one_batch.main([*argv, *extra]) == 0
+    result: dict[str, Any] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    return result
+
+
+def test_low_bit_max_rows_moves_a_step_between_the_blocks_and_the_dense_copy(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    blocks = _run(capsys, "--low-bit-max-rows", "3")
+    dense = _run(capsys, "--low-bit-max-rows", "2")
+    assert blocks["quantization"] == dense["quantization"] == "gguf"
+    assert (blocks["low_bit_max_rows"], dense["low_bit_max_rows"]) == (3, 2)
+    # SmolLM2's Q4_1 projections and Q8_0 LM head (96 MB) against their float32 copy (538
+    # MB): a 3-row step reads one or the other
+    assert blocks["weight_mb_per_step"] < 100 < 500 < dense["weight_mb_per_step"]
+
+
+def test_forcing_the_limit_changes_every_low_bit_module_and_only_those() -> None:
+    assert force_low_bit_max_rows(nn.Sequential(nn.Linear(4, 4)), 8) == 0
+    with pytest.raises(ValueError, match="must be >= 0"):
+        force_low_bit_max_rows(nn.Linear(4, 4), -1)
