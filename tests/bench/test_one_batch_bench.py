@@ -32,7 +32,7 @@ def test_low_bit_max_rows_moves_a_step_between_the_blocks_and_the_dense_copy(
     assert blocks["weight_mb_per_step"] < 100 < 500 < dense["weight_mb_per_step"]
 
 
-def test_forcing_the_limit_changes_every_low_bit_module_and_only_those() -> None:
+def test_forcing_the_limit_counts_low_bit_modules_and_refuses_a_negative() -> None:
     assert force_low_bit_max_rows(nn.Sequential(nn.Linear(4, 4)), 8) == 0
     with pytest.raises(ValueError, match="must be >= 0"):
         force_low_bit_max_rows(nn.Linear(4, 4), -1)
