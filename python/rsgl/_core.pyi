@@ -234,6 +234,10 @@ class Scheduler:
     def check(self) -> None:
         """Raises RuntimeError naming the first broken invariant, if any."""
     @property
+    def commit_moves_rows(self) -> bool:
+        """Whether committing the steps in flight would swap slots in some request's row (a
+        prefill over a prompt the tree holds): the overlap loop commits before planning then."""
+    @property
     def has_work(self) -> bool:
         """Whether anything is queued, running or in flight."""
     @property

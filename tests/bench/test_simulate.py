@@ -80,6 +80,9 @@ ARGS = EngineArgs(
 def test_the_simulator_plans_the_steps_the_real_loop_plans(overlap: bool) -> None:
     config = _config()
     requests = _mixed_requests(40)
+    # Repeats, prefilled once their first copy is cached: their commits move rows, so both
+    # loops commit them before planning on (`commit_moves_rows`).
+    requests += [requests[2], requests[4], requests[2]]
 
     def compositions(plans: list[tuple[str, list[int], list[int]]]) -> list[tuple]:
         return [(mode, tuple(rids), tuple(ext)) for mode, rids, ext in plans]

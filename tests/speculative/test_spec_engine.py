@@ -167,6 +167,19 @@ def test_without_overlap_scheduling_the_tokens_are_the_same(plain: Engine) -> No
         for params in (greedy, sampled):
             assert _ids(llm.generate(PROMPTS, params)) == _ids(plain.generate(PROMPTS, params))
         assert _spec(llm)["spec_drafted_rows"] > 0
+        # A prompt cached whole: its extend computes the last token's KV again, and its
+        # commit swaps that copy for the tree's. The overlap loop commits such a step before
+        # planning the next, so its first decode reads the tree's copy too: the same bits
+        # as here, where nothing overlaps (before, a warm prompt's logprobs differed).
+        warm = {"temperature": 0.0, "max_new_tokens": 12, "return_logprob": True}
+        runs = []
+        for engine in (plain, llm):
+            engine.generate(PROMPTS[3], warm)  # caches it
+            out = engine.generate(PROMPTS[3], warm)
+            meta = out["meta_info"]
+            assert meta["cached_tokens"] == meta["prompt_tokens"] - 1
+            runs.append([t["logprob"] for t in meta["output_token_logprobs"]])
+        assert runs[0] == runs[1]
         assert llm.get_server_info()["overlapped_steps"] == 0
         llm.check_integrity()
 

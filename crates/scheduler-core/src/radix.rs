@@ -207,6 +207,34 @@ impl RadixTree {
         (matched, node)
     }
 
+    /// Length of the longest cached page-aligned prefix of `key`, read without refreshing
+    /// access times or splitting nodes: a question about the tree that leaves it as it was.
+    pub fn cached_len(&self, key: &[u32]) -> usize {
+        if self.disabled {
+            return 0;
+        }
+        let p = self.page_size;
+        let key = &key[..key.len() / p * p];
+        let mut node = ROOT;
+        let mut matched = 0;
+        while matched < key.len() {
+            let Some(&child) = self.nodes[node as usize]
+                .children
+                .get(&key[matched..matched + p])
+            else {
+                break;
+            };
+            let child_key = &self.nodes[child as usize].key;
+            let n = common_len(child_key, &key[matched..]) / p * p;
+            matched += n;
+            if n < child_key.len() {
+                break;
+            }
+            node = child;
+        }
+        matched
+    }
+
     /// Inserts `key` (a whole number of pages) with its slots and returns how many leading
     /// tokens were already present. The caller owns `value[..returned]` still and must free
     /// those of them that it does not share with the tree (duplicates of cached entries).

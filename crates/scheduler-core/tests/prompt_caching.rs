@@ -493,3 +493,106 @@ fn priority_preemption_of_a_cached_request_keeps_the_tree_consistent() {
     h.assert_outputs_undisturbed();
     assert_eq!(h.outputs[&1].len(), 60);
 }
+
+impl Harness {
+    /// The overlap loop as the engine runs it: one step in flight, except that a step whose
+    /// commit moves rows (`commit_moves_rows`) commits before the next plan is made. After
+    /// every commit, no request of the step still in flight may have rows left to rewrite:
+    /// that step would have read slots the commit just replaced. Returns how many steps
+    /// the loop committed early.
+    fn run_like_the_loop(&mut self, commit_first: bool) -> usize {
+        let mut early = 0;
+        let mut guard = 0;
+        while self.s.has_work() || !self.inflight.is_empty() {
+            if commit_first && !self.inflight.is_empty() && self.s.commit_moves_rows() {
+                self.land();
+                early += 1;
+                continue;
+            }
+            let plan = self.launch();
+            let keep = usize::from(plan.mode != ForwardMode::Idle);
+            while self.inflight.len() > keep {
+                self.land();
+                let Some((newest, _)) = self.inflight.back() else {
+                    break;
+                };
+                for &rid in &newest.rids {
+                    let req = self.s.request(rid as u64).expect("in flight, so live");
+                    assert_eq!(
+                        req.stale_row, None,
+                        "request {rid}: plan {} read its row before a commit changed it",
+                        newest.id
+                    );
+                }
+            }
+            guard += 1;
+            assert!(guard < 10_000, "no progress: {:?}", self.s.stats());
+        }
+        early
+    }
+}
+
+/// A prompt the tree holds whole (a repeat of a finished request's) is matched but for its
+/// last token, which the extend computes again for its logits; its commit swaps that
+/// token's new KV for the tree's copy. The overlap loop must not plan the request's first
+/// decode before that commit, or that decode reads the new copy and every later one the
+/// tree's: other bits than without overlap, and with int8 activations other tokens.
+#[test]
+fn the_overlap_loop_commits_first_where_a_commit_swaps_a_cached_prompts_kv() {
+    for page in [1, 16] {
+        let a = prompt(13);
+        let mut h = Harness::new(config(page));
+        h.add(1, &a, 4);
+        h.run(true);
+        // The tree holds all of A only when its length is whole pages; with pages of 16
+        // (70 tokens) the match (64) is everything a commit could cache.
+        let swaps = aligned(a.len(), page) > aligned(a.len() - 1, page);
+        h.add(2, &a, 4);
+        h.launch();
+        assert_eq!(h.s.commit_moves_rows(), swaps, "page {page}");
+        h.land();
+        assert!(!h.s.commit_moves_rows());
+        h.run(true);
+
+        // A prompt that another request's in-flight prefill caches: 4 is planned while 3's
+        // prefill of the same prompt is in flight, so it matches nothing; 3's commit caches
+        // the prompt before 4's commits. Known before either commits.
+        let b = prompt(14);
+        h.add(3, &b, 4);
+        h.launch();
+        assert!(!h.s.commit_moves_rows());
+        h.add(4, &b, 4);
+        assert_eq!(h.launch().rids, vec![4]);
+        assert!(
+            h.s.commit_moves_rows(),
+            "page {page}: 3's prefill in flight"
+        );
+        h.land();
+        assert!(h.s.commit_moves_rows(), "page {page}: 3's prefill cached");
+        h.run(true);
+        h.assert_outputs_undisturbed();
+
+        // Every case through the loop (3 and 4 are prefilled in one step), checked after
+        // every commit; and without committing first, the check catches the stale read (so
+        // it is not vacuous).
+        for commit_first in [true, false] {
+            let mut h = Harness::new(config(page));
+            h.add(1, &a, 4);
+            h.run(true);
+            h.add(2, &a, 6);
+            h.add(3, &b, 6);
+            h.add(4, &b, 6);
+            let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                h.run_like_the_loop(commit_first)
+            }));
+            match caught {
+                Ok(early) => {
+                    assert!(commit_first, "page {page}: the stale read went unnoticed");
+                    assert!(early >= 1, "page {page}");
+                    h.assert_outputs_undisturbed();
+                }
+                Err(_) => assert!(!commit_first, "page {page}: a stale read with the fix"),
+            }
+        }
+    }
+}

@@ -66,9 +66,13 @@ proptest! {
                 let expected = reference.insert(aligned, &values, page);
                 prop_assert_eq!(tree.insert(aligned, &values), expected);
             } else {
+                // The read-only peek agrees, and leaves the tree as it was (no split).
+                let nodes = tree.node_count();
+                let (expected_n, expected_values) = reference.match_prefix(&key, page);
+                prop_assert_eq!(tree.cached_len(&key), expected_n);
+                prop_assert_eq!(tree.node_count(), nodes);
                 let mut values = Vec::new();
                 let (n, node) = tree.match_prefix(&key, &mut values);
-                let (expected_n, expected_values) = reference.match_prefix(&key, page);
                 prop_assert_eq!(n, expected_n);
                 prop_assert_eq!(values, expected_values);
                 // A lock protects exactly the matched path.

@@ -211,11 +211,25 @@ impl Driver {
 
     fn step(&mut self) {
         // Overlap keeps one step in flight while the next is planned; an idle plan means the
-        // in-flight step must land before anything else can be scheduled.
+        // in-flight step must land before anything else can be scheduled. As in the engine's
+        // loop, a step whose commit moves rows lands before the next plan is made.
+        if self.s.commit_moves_rows() {
+            while !self.inflight.is_empty() {
+                self.land_one();
+            }
+        }
         let launched = self.launch();
         let keep = if self.overlap && launched { 1 } else { 0 };
         while self.inflight.len() > keep {
             self.land_one();
+            // The step still in flight read its requests' rows when it was planned: the
+            // commit just made must not have changed them.
+            if let Some((newest, _)) = self.inflight.last() {
+                for &rid in &newest.rids {
+                    let stale = self.s.request(rid as u64).and_then(|r| r.stale_row.clone());
+                    assert_eq!(stale, None, "request {rid} of plan {}", newest.id);
+                }
+            }
         }
     }
 

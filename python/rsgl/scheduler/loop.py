@@ -493,6 +493,12 @@ class SchedulerLoop:
                         # flight ends first. Steps without drafts overlap as usual.
                         self._process(launched)
                         launched = None
+                if launched is not None and self.core.commit_moves_rows:
+                    # Its commit swaps a cached prompt's duplicate KV for the tree's copy:
+                    # the next step must read the copy, as it does without overlap.
+                    self._process(launched)
+                    launched = None
+                    continue
                 plan = self.core.schedule()
                 nxt = None
                 if plan.forward_mode != "idle":

@@ -284,6 +284,13 @@ impl PyScheduler {
             .map_err(|m| PyRuntimeError::new_err(format!("integrity check failed: {m}")))
     }
 
+    /// Whether committing the steps in flight would swap slots in some request's row (a
+    /// prefill over a prompt the tree holds): the overlap loop commits before planning then.
+    #[getter]
+    fn commit_moves_rows(&self) -> bool {
+        self.inner.commit_moves_rows()
+    }
+
     /// Whether anything is queued, running or in flight.
     #[getter]
     fn has_work(&self) -> bool {

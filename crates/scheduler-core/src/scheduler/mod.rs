@@ -21,6 +21,7 @@
 //! appends the accepted tokens one at a time with the finish checks, and gives back the KV of
 //! rejected positions (whole pages beyond the new length; a partly used last page stays).
 
+use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::fmt;
 
@@ -326,6 +327,51 @@ impl Scheduler {
     /// The prefix cache's contents: every root-to-leaf path's tokens and KV slots (for tests).
     pub fn cached_paths(&self) -> Vec<(Vec<u32>, Vec<Slot>)> {
         self.tree.paths()
+    }
+
+    /// Whether committing the steps in flight would point some request's row at other
+    /// slots: a prefill completing over tokens that the tree will hold beyond the request's
+    /// own prefix by then (a prompt cached whole, whose last token the extend computed again
+    /// for its logits; a prompt that another request's commit caches first, in an earlier
+    /// step or earlier in the same one). The commit frees the request's duplicates for the
+    /// tree's copies (`cache_unfinished`), and the steps planned after it read those. A step
+    /// planned before it, as the overlap loop plans, would read the duplicates: the same
+    /// values up to rounding, not always the same bits, so the request could decode other
+    /// tokens than without overlap. The loop commits first when this is true (rarely: some
+    /// prompt must be computed twice).
+    pub fn commit_moves_rows(&self) -> bool {
+        let p = self.cfg.page_size;
+        let mut cached_first: Vec<Cow<'_, [u32]>> = Vec::new();
+        for e in self.inflight.iter().flat_map(|f| &f.entries) {
+            let Some(req) = self.reqs[e.idx].as_ref() else {
+                continue;
+            };
+            if !e.completes_prefill
+                || req.finish.is_some()
+                || req.state != ReqState::Running
+                || !req.cacheable
+            {
+                continue;
+            }
+            let aligned = e.kv_end.min(req.kv_len()).min(req.fill_len()) / p * p;
+            if aligned <= req.prefix_len {
+                continue;
+            }
+            let key = req.fill_prefix(aligned);
+            let shared = |other: &Cow<'_, [u32]>| {
+                let n = key
+                    .iter()
+                    .zip(other.iter())
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                n / p * p > req.prefix_len
+            };
+            if self.tree.cached_len(&key) > req.prefix_len || cached_first.iter().any(shared) {
+                return true;
+            }
+            cached_first.push(key);
+        }
+        false
     }
 
     /// Whether anything is queued, running or in flight.

@@ -271,6 +271,11 @@ class Simulation:
         while True:
             if rep.pending:
                 self._admit(rep, now)
+            if rep.launched is not None and rep.core.commit_moves_rows:
+                # The real loop commits such a step before planning: wait for its end.
+                rep.committing = True
+                self._wake(r, rep.launched.end)
+                return
             if self._launch(r, rep, rep.core.schedule(), now):
                 return
 
