@@ -7,6 +7,7 @@ client and the simulation under the same cap."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import threading
@@ -589,6 +590,10 @@ def test_the_capacity_report_states_the_cap_and_the_keep_up_threshold(tmp_path: 
     assert main([*argv, "--max-concurrency", "0"]) == 2
 
 
+# A decode step of 4 rows over 512 tokens of KV.
+DECODE = StepShape(4, 4, 0, 512, 0, 512.0)
+
+
 class _ExitedServer:
     def terminate(self) -> None:
         pass
@@ -601,8 +606,10 @@ def test_the_validation_runs_both_sides_under_the_same_cap(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # The real path with the server and the network taken out: the client's runs are
-    # recorded instead of sent, each answered with one plausible result per request.
+    # recorded instead of sent, each answered with one plausible result per request, and
+    # the server's step log gets a prefill and a decode step per run.
     sent: list[serving.BenchConfig] = []
+    step_log: list[Path] = []
 
     async def run_benchmark(
         config: serving.BenchConfig, requests: list[serving.BenchRequest]
@@ -612,14 +619,22 @@ def test_the_validation_runs_both_sides_under_the_same_cap(
             serving.RequestResult(True, r.prompt_len, r.output_len, 0.05, 0.5, [0.03])
             for r in requests
         ]
+        with step_log[-1].open("a") as f:
+            for shape, seconds in ((StepShape(2, 40, 2, 40, 0, 420.0), 0.3), (DECODE, 0.02)):
+                f.write(json.dumps(dataclasses.asdict(shape) | {"seconds": seconds}) + "\n")
         return serving.BenchRun(results, 2.0)
+
+    def start_server(log: Path, *flags: str) -> tuple[_ExitedServer, str]:
+        step_log.append(Path(flags[flags.index("--step-log") + 1]))
+        return _ExitedServer(), "http://x"
 
     monkeypatch.setattr(serving, "run_benchmark", run_benchmark)
     monkeypatch.setattr(serving, "load_tokenizer", lambda path: WordTokenizer())
-    monkeypatch.setattr(validate, "start_server", lambda *a: (_ExitedServer(), "http://x"))
+    monkeypatch.setattr(validate, "start_server", start_server)
     monkeypatch.setattr("httpx.post", lambda *a, **k: None)
     cost = tmp_path / "cost.json"
-    cost.write_text(json.dumps(LinearCost((2e-3, 1e-5, 4e-6, 3e-9, 5e-5)).to_json()))
+    linear = LinearCost((2e-3, 1e-5, 4e-6, 3e-9, 5e-5))
+    cost.write_text(json.dumps(linear.to_json()))
     argv = ["--model-path", str(LLAMA3_8B), "--cost-model", str(cost), "--validate"]
     argv += ["--validate-scale", "0.05", "--max-total-tokens", "20000"]
     for cap, rounds in ((None, 1), (2, 2)):
@@ -644,6 +659,16 @@ def test_the_validation_runs_both_sides_under_the_same_cap(
             assert len(row["measured_runs"]) == row["measured"]["runs"] == rounds
             assert row["measured"]["median_ttft_ms"] == pytest.approx(50.0)
             assert row["measured"]["median_ttft_ms_spread"] == 0.0
+            # Each run's logged steps, as timed and as the cost model prices them.
+            measured = row["measured"]
+            assert measured["step_seconds"] == pytest.approx(0.32)
+            assert measured["decode_step_seconds"] == pytest.approx(0.02)
+            assert measured["model_decode_step_seconds"] == pytest.approx(
+                linear.step_seconds(DECODE)
+            )
+            assert measured["model_step_seconds"] == pytest.approx(
+                linear.step_seconds(DECODE) + linear.step_seconds(StepShape(2, 40, 2, 40, 0, 420))
+            )
             if cap is not None:
                 assert row["predicted"]["concurrency"] <= cap
                 assert "keep_up_ratio" in row["predicted"]
@@ -653,6 +678,8 @@ def test_the_validation_runs_both_sides_under_the_same_cap(
         cap_text = "none" if cap is None else f"{cap} requests in flight"
         assert f"median of {rounds} runs" in table
         assert f"max concurrency: {cap_text}" in table
+        decode_priced = linear.step_seconds(DECODE)
+        assert f"decode s    {0.02:>11.3f}{'':>8}{decode_priced:>11.3f}" in table
     assert main([*argv, "--validate-rounds", "0"]) == 2
 
 

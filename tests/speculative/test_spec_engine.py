@@ -15,11 +15,10 @@ from typing import Any
 import pytest
 
 import rsgl
-from rsgl.bench.sim.calibrate import steps_of_log
 from rsgl.bench.speculative import copy_heavy_messages
 from rsgl.engine import Engine
 from rsgl.layers.cpu_kernels import load_cpu_kernels
-from rsgl.scheduler.step_shape import StepShape
+from rsgl.scheduler.step_shape import StepShape, steps_of_log
 from rsgl.speculative.policy import DENSE_MARGIN, DraftPolicy, ladder
 
 SPEC = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 5}

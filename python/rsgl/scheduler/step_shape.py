@@ -3,6 +3,8 @@ per step (`--step-log`) and `rsgl bench simulate`'s cost models price it."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -57,4 +59,15 @@ class StepShape:
         ]
 
 
-__all__ = ["StepShape"]
+def steps_of_log(lines: list[str]) -> tuple[list[StepShape], list[float]]:
+    """Each line of a `--step-log`: its step's shape and seconds (the fields a speculating
+    loop adds, and any other, are not the shape's and are left out)."""
+    shapes, seconds = [], []
+    for line in lines:
+        step = json.loads(line)
+        seconds.append(float(step["seconds"]))
+        shapes.append(StepShape(**{f.name: step[f.name] for f in dataclasses.fields(StepShape)}))
+    return shapes, seconds
+
+
+__all__ = ["StepShape", "steps_of_log"]

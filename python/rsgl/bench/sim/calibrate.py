@@ -41,7 +41,7 @@ from rsgl.args import EngineArgs, from_cli
 from rsgl.bench.sim.cost import TableCost
 from rsgl.model_executor.executor import run_on_compute_thread
 from rsgl.sampling_params import SamplingParams
-from rsgl.scheduler.step_shape import StepShape
+from rsgl.scheduler.step_shape import StepShape, steps_of_log
 
 # Decode steps timed per grid point (after the prefill steps).
 DECODE_STEPS = 4
@@ -228,17 +228,6 @@ def time_server_steps(
         dtype=info["dtype"],
     )
     return shapes, seconds, meta
-
-
-def steps_of_log(lines: list[str]) -> tuple[list[StepShape], list[float]]:
-    """Each line of a `--step-log`: its step's shape and seconds (the fields a speculating
-    loop adds, and any other, are not the shape's and are left out)."""
-    shapes, seconds = [], []
-    for line in lines:
-        step = json.loads(line)
-        seconds.append(float(step["seconds"]))
-        shapes.append(StepShape(**{f.name: step[f.name] for f in dataclasses.fields(StepShape)}))
-    return shapes, seconds
 
 
 def calibrate_main(args: argparse.Namespace) -> int:

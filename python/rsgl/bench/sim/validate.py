@@ -44,12 +44,24 @@ from rsgl.args import EngineArgs
 from rsgl.bench import serving
 from rsgl.bench.serve_process import start_server
 from rsgl.bench.sim.cluster import Deployment
+from rsgl.bench.sim.cost import CostModel
 from rsgl.bench.sim.workload import WorkloadSpec
+from rsgl.scheduler.step_shape import steps_of_log
 
 METRICS = (
     ("output_throughput", "out tok/s"),
     ("median_ttft_ms", "TTFT p50 ms"),
     ("median_itl_ms", "ITL p50 ms"),
+)
+
+# The steps a real run took (the server's --step-log), as it timed them against the cost
+# model's price of those very steps: (measured, priced, label), all steps and decode steps
+# alone. Where they disagree, the machine ran at another speed than when it was calibrated
+# (or the model misprices those shapes), and the latencies predicted are off by as much
+# whatever the simulation's scheduling gets right.
+STEP_METRICS = (
+    ("step_seconds", "model_step_seconds", "steps s"),
+    ("decode_step_seconds", "model_decode_step_seconds", "decode s"),
 )
 
 # One run of a workload at a rate (req/s) under a concurrency cap: `rsgl bench serving`'s
@@ -128,10 +140,36 @@ def bench_requests(tokenizer: Any, spec: WorkloadSpec) -> list[serving.BenchRequ
     )
 
 
+def price_steps(lines: list[str], cost: CostModel) -> dict[str, float]:
+    """`STEP_METRICS` of a run's --step-log lines: the seconds its steps took and the cost
+    model's price of the same shapes, summed over every step and over decode steps."""
+    shapes, seconds = steps_of_log(lines)
+    out = dict.fromkeys((key for m in STEP_METRICS for key in m[:2]), 0.0)
+    for shape, took in zip(shapes, seconds, strict=True):
+        priced = cost.step_seconds(shape)
+        out["step_seconds"] += took
+        out["model_step_seconds"] += priced
+        if shape.num_extends == 0:
+            out["decode_step_seconds"] += took
+            out["model_decode_step_seconds"] += priced
+    return out
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
 def measure(
-    url: str, tokenizer: Any, spec: WorkloadSpec, rate: float, max_concurrency: int | None
+    url: str,
+    tokenizer: Any,
+    step_log: Path,
+    cost: CostModel,
+    spec: WorkloadSpec,
+    rate: float,
+    max_concurrency: int | None,
 ) -> dict[str, Any]:
-    """One real run against the server at `url` (its prefix cache flushed first)."""
+    """One real run against the server at `url` (its prefix cache flushed first), with
+    `price_steps` of the steps it logged to `step_log` during the run (when it logged any)."""
     import httpx
 
     httpx.post(f"{url}/flush_cache", timeout=30)
@@ -142,8 +180,14 @@ def measure(
         max_concurrency=max_concurrency,
         seed=spec.seed,
     )
+    done = len(_lines(step_log))
     run = asyncio.run(serving.run_benchmark(config, bench_requests(tokenizer, spec)))
-    return serving.summarize(run)
+    summary = serving.summarize(run)
+    # Each step's line is written before its tokens are sent: the run's are all there.
+    steps = _lines(step_log)[done:]
+    if steps:
+        summary |= price_steps(steps, cost)
+    return summary
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,6 +291,21 @@ def format_rows(rows: list[dict[str, Any]], max_concurrency: int | None = None) 
                 f"{row['workload']:<12}{row['load']:>5g}{row['rate']:>8g}  {label:<12}"
                 f"{m:>11.1f}{spread:>8}{p:>11.1f}{err:>9}"
             )
+        for key, priced, label in STEP_METRICS:
+            if priced not in row["measured"]:
+                continue
+            m, p = row["measured"][key], row["measured"][priced]
+            err = f"{(p - m) / m * 100:+.1f}%" if m else "n/a"
+            lines.append(
+                f"{row['workload']:<12}{row['load']:>5g}{row['rate']:>8g}  {label:<12}"
+                f"{m:>11.3f}{'':>8}{p:>11.3f}{err:>9}"
+            )
+    notes = (
+        "steps s / decode s: the seconds the server's steps took in the run (its --step-log; "
+        "the median over the rounds), and the cost model's price of those same steps"
+    )
+    if any("model_step_seconds" in row["measured"] for row in rows):
+        lines.append(notes)
     return "\n".join(lines)
 
 
@@ -260,9 +319,11 @@ def validate_main(args: argparse.Namespace, dep: Deployment) -> int:
     tokenizer = serving.load_tokenizer(dep.args.tokenizer_path or dep.args.model_path)
     cap = args.max_concurrency
     with tempfile.TemporaryDirectory() as tmp:
-        proc, url = start_server(Path(tmp) / "server.log", *server_flags(dep.args))
+        step_log = Path(tmp) / "steps.jsonl"
+        engine = dataclasses.replace(dep.args, step_log=str(step_log))
+        proc, url = start_server(Path(tmp) / "server.log", *server_flags(engine))
         try:
-            real = functools.partial(measure, url, tokenizer)
+            real = functools.partial(measure, url, tokenizer, step_log, dep.calibrated)
             rows = compare(dep, real, args.validate_scale, args.seed, cap, args.validate_rounds)
         finally:
             proc.terminate()
