@@ -351,6 +351,42 @@ def _filled_cache(
     return cache
 
 
+def _rounded(q: torch.Tensor) -> torch.Tensor:
+    """q [..., D] rounded per head as the kernels score an int8 cache against it (csrc/kv8.h
+    q16_split: round(q * 32639 / amax), the multiplier one float32 division), in floats."""
+    amax = q.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, amax.new_full(amax.shape, 32639.0) / amax, 0.0)
+    step = amax * torch.tensor(1 / 32639, dtype=torch.float32)
+    return torch.round(q * inv).clamp(-32639, 32639) * step
+
+
+@pytest.mark.parametrize(("dim", "heads", "kv_heads"), [(64, 9, 3), (128, 4, 2), (40, 6, 2)])
+def test_an_int8_cache_is_scored_against_the_rounded_query(
+    kernels: CpuKernels, dim: int, heads: int, kv_heads: int
+) -> None:
+    # To 16-bit integers per head: with AVX512-VNNI (D 64, 128) the scores are exact
+    # integer dot products, elsewhere (AVX2, D 40) those of the rounded query in floats.
+    # Either way they are the rounded query's, to float rounding.
+    gen = torch.Generator().manual_seed(dim * heads)
+    lens, table, req_slots, seq_slots, _ = _scattered_requests(gen, 70, 2048)
+    cache = _filled_cache(gen, torch.int8, kv_heads, dim, key_scale=3.0)
+    q = torch.randn(len(lens), heads, dim, generator=gen) * 2
+    out = torch.empty_like(q)
+    kernels.decode_attention(
+        q, cache.k_buffers[0], cache.v_buffers[0], table, req_slots, torch.tensor(lens), out,
+        dim**-0.5, cache.k_scales[0], cache.v_scales[0],
+    )  # fmt: skip
+    worst_float_q = 0.0
+    for i, sl in enumerate(seq_slots):
+        k, v = (x.transpose(0, 1) for x in cache.get_kv(0, sl, torch.float32))
+        attend = torch.nn.functional.scaled_dot_product_attention
+        ref = attend(_rounded(q[i]).unsqueeze(1), k, v, enable_gqa=True).squeeze(1)
+        torch.testing.assert_close(out[i], ref, atol=1e-5, rtol=1e-5)
+        unrounded = attend(q[i].unsqueeze(1), k, v, enable_gqa=True).squeeze(1)
+        worst_float_q = max(worst_float_q, float((out[i] - unrounded).abs().max()))
+    assert worst_float_q > 1e-5  # the rounding shows: this is not the float query's
+
+
 @pytest.mark.parametrize("kv_dtype", EIGHT_BIT)
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("dim", "heads", "kv_heads"), [(64, 9, 3), (128, 4, 2), (40, 6, 2)])
@@ -390,6 +426,12 @@ def test_8_bit_caches_attend_over_their_stored_values(
     assert ((stored - k_new).abs() <= step * 1.01).all()
     q = apply_rotary(qkv[:, : heads * dim].view(b, heads, dim), cis).to(act).float()
     tol = 1e-5 if act == torch.float32 else 2e-2
+    if cache.scaled:
+        # An int8 cache is scored against the query rounded to 16-bit integers per head
+        # (test_an_int8_cache_is_scored_against_the_rounded_query). The rotation's last
+        # bit may differ from torch's, and round a query element the other way.
+        q = _rounded(q)
+        tol = max(tol, 1e-4)
     for i, sl in enumerate(seq_slots):
         k, v = cache.get_kv(0, sl, torch.float32)
         ref = torch.nn.functional.scaled_dot_product_attention(

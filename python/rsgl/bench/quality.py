@@ -15,6 +15,11 @@ llama.cpp's perplexity tool, PR #7412):
   reference's.
 
     rsgl bench quality --modes gguf,int8,int4,kv:int8 [--model DIR_OR_GGUF] [--max-tokens 1024]
+
+`--decode` teacher-forces through decode steps instead (the first token a prefill, every
+later one a step of its own), on both sides: a KV cache is then read by the attention that
+generation uses (the C decode kernels on a CPU, which score an int8 cache against a query
+rounded to int8), where the prefill's reads it through SDPA.
 """
 
 from __future__ import annotations
@@ -118,12 +123,18 @@ def compare(mode: str, ref: torch.Tensor, got: torch.Tensor, targets: torch.Tens
 
 
 def measure(
-    model: str | None, modes: list[str], group: int | None = None, max_tokens: int = 1024
+    model: str | None,
+    modes: list[str],
+    group: int | None = None,
+    max_tokens: int = 1024,
+    decode: bool = False,
 ) -> list[Quality]:
-    """Each mode against the float32 model as loaded, on the shipped text."""
+    """Each mode against the float32 model as loaded, on the shipped text; with `decode`,
+    every position after the first a decode step of its own (both sides), as generation
+    reads the KV cache."""
     reference = load(model, "none", None, max_tokens)
     ids = text_tokens(reference, max_tokens)
-    ref_logits = reference.teacher_forced_logits(ids)[:-1]
+    ref_logits = reference.teacher_forced_logits(ids, decode=decode)[:-1]
     reference.close()
     targets = torch.tensor(ids[1:], dtype=torch.int64)
     results = []
@@ -132,7 +143,8 @@ def measure(
         runner = load(model, quantization, group, max_tokens, kv)
         if runner.loaded.quantization != quantization:
             raise ValueError(f"{mode} resolved to {runner.loaded.quantization}")
-        results.append(compare(mode, ref_logits, runner.teacher_forced_logits(ids)[:-1], targets))
+        got = runner.teacher_forced_logits(ids, decode=decode)[:-1]
+        results.append(compare(mode, ref_logits, got, targets))
         runner.close()
     return results
 
@@ -147,9 +159,18 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--quantization-group-size", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=1024)
+    parser.add_argument(
+        "--decode",
+        action="store_true",
+        help="teacher-force through decode steps (one token each) instead of one prefill",
+    )
     args = parser.parse_args(argv)
     results = measure(
-        args.model, args.modes.split(","), args.quantization_group_size, args.max_tokens
+        args.model,
+        args.modes.split(","),
+        args.quantization_group_size,
+        args.max_tokens,
+        args.decode,
     )
     for result in results:
         row: dict[str, Any] = asdict(result)

@@ -8,6 +8,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif

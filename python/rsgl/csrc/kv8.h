@@ -125,6 +125,26 @@ static inline const float* widen_i8(const int8_t* src, float* tmp, int64_t n) {
     return tmp;
 }
 
+/* An int8 cache's decode kernels score keys against the query rounded to 16-bit integers
+   per head: v = round(x * Q16_MAX / amax) (the multiplier one float32 division, as for
+   keys), kept in two signed bytes, v = 256 * hi + lo with hi = (v + 128) >> 8 and lo in
+   -128 .. 127 (Q16_MAX = 127 * 257 keeps hi within a signed byte). Writes v's bytes and
+   returns the scale, amax times float32(1 / Q16_MAX): x ~ scale * v. */
+#define Q16_MAX 32639.f
+static inline float q16_split(const float* x, int64_t n, int8_t* hi, int8_t* lo) {
+    float amax = 0.f;
+    for (int64_t i = 0; i < n; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    const float inv = amax > 0.f ? Q16_MAX / amax : 0.f;
+    for (int64_t i = 0; i < n; i++) {
+        float q = rintf(x[i] * inv);
+        q = q > Q16_MAX ? Q16_MAX : (q < -Q16_MAX ? -Q16_MAX : q);
+        const int32_t v = (int32_t)q;
+        hi[i] = (int8_t)((v + 128) >> 8);
+        lo[i] = (int8_t)(v - 256 * hi[i]);
+    }
+    return amax * (1.f / Q16_MAX);
+}
+
 /* One head's n values x as int8 at dst, with their scale at *scale: as KVCache.set_kv does
    (the multiplier 127 / amax, one float32 division; the scale amax times float32(1/127)). */
 static inline void i8_store_head(int8_t* dst, float* scale, const float* x, int64_t n) {

@@ -413,15 +413,33 @@ class ModelRunner:
         return StepOutput(accepted.sample, None, accepted.accept_lens)
 
     @torch.inference_mode()
-    def teacher_forced_logits(self, token_ids: list[int]) -> torch.Tensor:
+    def teacher_forced_logits(self, token_ids: list[int], *, decode: bool = False) -> torch.Tensor:
         """The logits of every position of `token_ids` ([T, vocab] float32: row t predicts
         token t + 1), from one prefill in request slot 0 over KV slots 1..T (which the
-        caller must not be using). For quality measurements, not for serving."""
+        caller must not be using). With `decode`, the first token is a prefill and each
+        later one a decode step of its own, which reads the KV cache as serving's decode
+        steps do (the C kernels' attention where they serve). For quality measurements,
+        not for serving."""
         n = len(token_ids)
         if not 0 < n < min(self.kv_cache.size, self.context_len + 1):
             raise ValueError(f"{n} tokens do not fit the KV cache or the context")
         slots = np.arange(1, n + 1, dtype=np.int64)
         self.req_to_token.apply_writes(np.zeros(n, dtype=np.int64), np.arange(n), slots)
+        if decode:
+            rows = []
+            for t in range(n):
+                step = ForwardBatch.from_arrays(
+                    forward_mode=ForwardMode.DECODE if t else ForwardMode.EXTEND,
+                    req_slots=np.zeros(1, dtype=np.int64),
+                    prefix_lens=np.array([t], dtype=np.int64),
+                    extend_lens=np.ones(1, dtype=np.int64),
+                    input_ids=np.array([token_ids[t]], dtype=np.int64),
+                    out_cache_loc=slots[t : t + 1],
+                    device=self.device,
+                )
+                self.attn.prepare(step)
+                rows.append(self.model(step.input_ids, step, self.attn).float())
+            return torch.cat(rows)
         batch = ForwardBatch.from_arrays(
             forward_mode=ForwardMode.EXTEND,
             req_slots=np.zeros(1, dtype=np.int64),
