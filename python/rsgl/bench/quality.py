@@ -18,8 +18,8 @@ llama.cpp's perplexity tool, PR #7412):
 
 `--decode` teacher-forces through decode steps instead (the first token a prefill, every
 later one a step of its own), on both sides: a KV cache is then read by the attention that
-generation uses (the C decode kernels on a CPU, which score an int8 cache against a query
-rounded to int8), where the prefill's reads it through SDPA.
+generation uses (the C decode kernels on a CPU, which score an int8 cache against the
+query rounded to 16-bit integers), where the prefill reads it through SDPA.
 """
 
 from __future__ import annotations

@@ -494,8 +494,9 @@ class SchedulerLoop:
                         self._process(launched)
                         launched = None
                 if launched is not None and self.core.commit_moves_rows:
-                    # Its commit swaps a cached prompt's duplicate KV for the tree's copy:
-                    # the next step must read the copy, as it does without overlap.
+                    # Its commit swaps a request's duplicate prompt KV for the tree's copy
+                    # (Scheduler::commit_moves_rows): the next step must read the copy, as
+                    # it does without overlap.
                     self._process(launched)
                     launched = None
                     continue
