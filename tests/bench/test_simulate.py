@@ -135,6 +135,8 @@ def test_the_simulator_plans_the_steps_the_real_loop_plans(overlap: bool) -> Non
     finally:
         loop.shutdown()
     assert simulated == real
+    decode_batches = [len(rids) for mode, rids, *_ in real if mode == "decode"]
+    assert report["mean_decode_batch"] == pytest.approx(np.mean(decode_batches))
 
 
 def test_virtual_times_follow_the_cost_model() -> None:
@@ -632,7 +634,8 @@ def test_the_validation_runs_both_sides_under_the_same_cap(
     monkeypatch.setattr(serving, "run_benchmark", run_benchmark)
     monkeypatch.setattr(serving, "load_tokenizer", lambda path: WordTokenizer())
     monkeypatch.setattr(validate, "start_server", start_server)
-    monkeypatch.setattr("httpx.post", lambda *a, **k: None)
+    posts: list[str] = []
+    monkeypatch.setattr("httpx.post", lambda url, **k: posts.append(url))
     cost = tmp_path / "cost.json"
     linear = LinearCost((2e-3, 1e-5, 4e-6, 3e-9, 5e-5))
     cost.write_text(json.dumps(linear.to_json()))
@@ -640,6 +643,7 @@ def test_the_validation_runs_both_sides_under_the_same_cap(
     argv += ["--validate-scale", "0.05", "--max-total-tokens", "20000"]
     for cap, rounds in ((None, 1), (2, 2)):
         sent.clear()
+        posts.clear()
         out = tmp_path / f"rows-{cap}.jsonl"
         flags = [] if cap is None else ["--max-concurrency", str(cap)]
         flags += ["--validate-rounds", str(rounds), "--output-file", str(out)]
@@ -648,6 +652,10 @@ def test_the_validation_runs_both_sides_under_the_same_cap(
         assert len(rows) == 6  # three workloads at two loads
         assert len(sent) == 6 * rounds
         assert [c.max_concurrency for c in sent] == [cap] * 6 * rounds
+        # No run warms the server with its own first prompt (the simulation's cache starts
+        # empty); the server is warmed once, before the first.
+        assert [c.warmup_requests for c in sent] == [0] * 6 * rounds
+        assert posts == ["http://x/generate"] + ["http://x/flush_cache"] * 6 * rounds
         # Round by round, every cell in turn, the order reversed every other round.
         rates = [row["rate"] for row in rows]
         assert [c.request_rate for c in sent] == (rates + rates[::-1])[: 6 * rounds]
@@ -663,6 +671,8 @@ def test_the_validation_runs_both_sides_under_the_same_cap(
             # Each run's logged steps, as timed and as the cost model prices them.
             measured = row["measured"]
             assert measured["step_seconds"] == pytest.approx(0.32)
+            assert measured["mean_decode_batch"] == DECODE.batch_size
+            assert row["predicted"]["mean_decode_batch"] >= 1
             assert measured["decode_step_seconds"] == pytest.approx(0.02)
             assert measured["model_decode_step_seconds"] == pytest.approx(
                 linear.step_seconds(DECODE)
@@ -737,7 +747,8 @@ def test_decode_runs_in_one_core_call_change_nothing(method: str, pool: int, spa
     np.testing.assert_allclose(ttft1, ttft0, rtol=1e-12)
     np.testing.assert_allclose(end1, end0, rtol=1e-12)
     np.testing.assert_allclose(itl1, itl0, rtol=1e-9, atol=1e-12)
-    for key in ("steps", "retractions", "total_output_tokens", "cache_hit_rate", "p99_itl_ms"):
+    keys = ("steps", "retractions", "total_output_tokens", "cache_hit_rate", "p99_itl_ms")
+    for key in (*keys, "mean_decode_batch"):
         assert fast_[key] == slow[key], key
     assert events1 < events0
     if pool == 1400:

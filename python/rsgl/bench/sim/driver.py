@@ -76,6 +76,8 @@ class _Replica:
     asleep: bool = True
     steps: int = 0
     busy_s: float = 0.0
+    decode_steps: int = 0
+    decode_rows: int = 0
 
 
 class Simulation:
@@ -292,6 +294,9 @@ class Simulation:
             )
             rep.steps += 1
             rep.busy_s += seconds
+            if plan.num_extends == 0:
+                rep.decode_steps += 1
+                rep.decode_rows += plan.batch_size
             if self.on_launch is not None:
                 self.on_launch(r, plan)
         if rep.launched is not None:
@@ -353,6 +358,8 @@ class Simulation:
         ends = np.concatenate([[a.end, b.end], b.end + np.cumsum(costs)])
         times = ends[:committed]
         rep.steps += len(plan_ids)
+        rep.decode_steps += len(plan_ids)
+        rep.decode_rows += int(batches.sum())
         rep.commits += committed
         rep.busy_s += float(costs.sum())
         if len(rids):
@@ -446,6 +453,9 @@ class Simulation:
         stats = [r.core.stats() for r in self.replicas]
         summary["retractions"] = int(sum(s["retractions"] for s in stats))
         summary["steps"] = int(sum(r.steps for r in self.replicas))
+        decode_steps = sum(r.decode_steps for r in self.replicas)
+        decode_rows = sum(r.decode_rows for r in self.replicas)
+        summary["mean_decode_batch"] = decode_rows / decode_steps if decode_steps else 0.0
         summary["events"] = self.events
         summary["max_total_tokens"] = int(stats[0]["capacity"]) if stats else 0
         busy = [r.busy_s / duration if duration else 0.0 for r in self.replicas]

@@ -142,9 +142,11 @@ def bench_requests(tokenizer: Any, spec: WorkloadSpec) -> list[serving.BenchRequ
 
 def price_steps(lines: list[str], cost: CostModel) -> dict[str, float]:
     """`STEP_METRICS` of a run's --step-log lines: the seconds its steps took and the cost
-    model's price of the same shapes, summed over every step and over decode steps."""
+    model's price of the same shapes, summed over every step and over decode steps; and
+    `mean_decode_batch`, the rows of its decode steps over their number."""
     shapes, seconds = steps_of_log(lines)
     out = dict.fromkeys((key for m in STEP_METRICS for key in m[:2]), 0.0)
+    decode_steps = decode_rows = 0
     for shape, took in zip(shapes, seconds, strict=True):
         priced = cost.step_seconds(shape)
         out["step_seconds"] += took
@@ -152,11 +154,23 @@ def price_steps(lines: list[str], cost: CostModel) -> dict[str, float]:
         if shape.num_extends == 0:
             out["decode_step_seconds"] += took
             out["model_decode_step_seconds"] += priced
+            decode_steps += 1
+            decode_rows += shape.batch_size
+    out["mean_decode_batch"] = decode_rows / decode_steps if decode_steps else 0.0
     return out
 
 
 def _lines(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
+
+
+def warm_up(url: str) -> None:
+    """One short request, so that the first cell's run does not pay the server's first
+    steps (the runs themselves send none: see `measure`)."""
+    import httpx
+
+    body = {"text": "Warm up.", "sampling_params": {"max_new_tokens": 8}}
+    httpx.post(f"{url}/generate", json=body, timeout=300)
 
 
 def measure(
@@ -173,12 +187,15 @@ def measure(
     import httpx
 
     httpx.post(f"{url}/flush_cache", timeout=30)
+    # No warm-up request: it would leave the run's first prompt cached, which the
+    # simulation, starting from an empty cache, does not have (the server was warmed once).
     config = serving.BenchConfig(
         base_url=url,
         backend="rsgl",
         request_rate=rate,
         max_concurrency=max_concurrency,
         seed=spec.seed,
+        warmup_requests=0,
     )
     done = len(_lines(step_log))
     run = asyncio.run(serving.run_benchmark(config, bench_requests(tokenizer, spec)))
@@ -291,6 +308,13 @@ def format_rows(rows: list[dict[str, Any]], max_concurrency: int | None = None) 
                 f"{row['workload']:<12}{row['load']:>5g}{row['rate']:>8g}  {label:<12}"
                 f"{m:>11.1f}{spread:>8}{p:>11.1f}{err:>9}"
             )
+        if "mean_decode_batch" in row["measured"]:
+            m, p = row["measured"]["mean_decode_batch"], row["predicted"]["mean_decode_batch"]
+            err = f"{(p - m) / m * 100:+.1f}%" if m else "n/a"
+            lines.append(
+                f"{row['workload']:<12}{row['load']:>5g}{row['rate']:>8g}  {'decode rows':<12}"
+                f"{m:>11.2f}{'':>8}{p:>11.2f}{err:>9}"
+            )
         for key, priced, label in STEP_METRICS:
             if priced not in row["measured"]:
                 continue
@@ -301,7 +325,9 @@ def format_rows(rows: list[dict[str, Any]], max_concurrency: int | None = None) 
                 f"{m:>11.3f}{'':>8}{p:>11.3f}{err:>9}"
             )
     notes = (
-        "steps s / decode s: the seconds the server's steps took in the run (its --step-log; "
+        "decode rows: the mean batch of the decode steps, in the server's --step-log and in "
+        "the simulation (where they differ, so do the batches whose steps the ITL spans); "
+        "steps s / decode s: the seconds the server's steps took in the run (the step log; "
         "the median over the rounds), and the cost model's price of those same steps"
     )
     if any("model_step_seconds" in row["measured"] for row in rows):
@@ -323,6 +349,7 @@ def validate_main(args: argparse.Namespace, dep: Deployment) -> int:
         engine = dataclasses.replace(dep.args, step_log=str(step_log))
         proc, url = start_server(Path(tmp) / "server.log", *server_flags(engine))
         try:
+            warm_up(url)
             real = functools.partial(measure, url, tokenizer, step_log, dep.calibrated)
             rows = compare(dep, real, args.validate_scale, args.seed, cap, args.validate_rounds)
         finally:
