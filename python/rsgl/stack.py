@@ -396,9 +396,15 @@ def _pool_tokens(
         free, total = torch.cuda.mem_get_info(device)
         return device_pool_tokens(total, total - free, args.mem_fraction, per_token, args.page_size)
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    tokens = int(total * (args.mem_fraction or DEFAULT_MEM_FRACTION) / per_token)
-    cap = DEFAULT_MAX_TOTAL_TOKENS if args.mem_fraction is None else tokens
-    return max(4 * args.page_size, min(tokens, cap))
+    return cpu_pool_tokens(total, args.mem_fraction, per_token, args.page_size)
+
+
+def cpu_pool_tokens(total: int, mem_fraction: float | None, per_token: int, page_size: int) -> int:
+    """KV pool tokens of a CPU with `total` bytes of memory: `mem_fraction` of it, or by
+    default a share capped at DEFAULT_MAX_TOTAL_TOKENS."""
+    tokens = int(total * (mem_fraction or DEFAULT_MEM_FRACTION) / per_token)
+    cap = DEFAULT_MAX_TOTAL_TOKENS if mem_fraction is None else tokens
+    return max(4 * page_size, min(tokens, cap))
 
 
 def device_pool_tokens(

@@ -158,6 +158,42 @@ def test_virtual_times_follow_the_cost_model() -> None:
         assert report["total_output_tokens"] == 5
 
 
+def test_a_request_latency_delays_every_first_token_and_no_gap_between_tokens() -> None:
+    # Requests spaced out (each alone): the latency adds to each TTFT and E2E exactly; with
+    # two replicas behind a dispatcher that reads releases, and a burst sharing one.
+    config = _config()
+    requests = [(np.arange(10 + i, 40 + i), 4 + i % 3) for i in range(6)]
+    for arrivals, dp in ((np.arange(6) * 1.0, 1), (np.arange(6) * 1.0, 2), (np.zeros(6), 1)):
+        runs = []
+        for latency in (0.0, 0.0125):
+            sim = Simulation(
+                lambda: build_core(ARGS, 1400, 8192, config),
+                FixedCost(0.010),
+                Workload(arrivals, WorkloadSpec(), recorded=requests),
+                dp_size=dp,
+                load_balance_method="total_requests",
+                request_latency_s=latency,
+            )
+            sim.run()
+            runs.append(
+                (
+                    sim.first_token - sim.sent,
+                    sim.finish - sim.sent,
+                    np.sort(np.concatenate(sim._itl)),
+                )
+            )
+        (ttft0, e2e0, itl0), (ttft1, e2e1, itl1) = runs  # fmt: skip
+        np.testing.assert_allclose(ttft1, ttft0 + 0.0125)
+        np.testing.assert_allclose(e2e1, e2e0 + 0.0125)
+        np.testing.assert_allclose(itl1, itl0)
+    # A calibration's measured latency is the deployment's.
+    table = TableCost((1,), (16.0,), ((0.01,),), LinearCost((0.01, 0, 0, 0, 0)),
+                      meta={"request_latency_s": 0.02})  # fmt: skip
+    dep = Deployment(EngineArgs(max_total_tokens=4000), config, calibrated=table)
+    spec = WorkloadSpec(num_prompts=3, random_input_len=16, random_output_len=2)
+    assert dep.simulate(spec, 0.5)["mean_ttft_ms"] == pytest.approx(20.0 + 10.0)
+
+
 def test_a_request_arriving_mid_step_waits_for_the_running_steps() -> None:
     config = _config()
     # B arrives while A's prefill runs: in overlap mode A's first decode is already planned,
@@ -395,6 +431,8 @@ def test_a_calibration_times_every_grid_point_and_prefills_over_a_cached_prefix(
     assert any(s.prefix_tokens >= s.num_extends * 10 for s in extends)
     assert any(s.prefix_tokens == 0 for s in extends)
     assert meta.get("through") == ("rsgl serve" if server else None)
+    # Through a server, what a request spends outside its steps (HTTP, tokenizing, hops).
+    assert (meta.get("request_latency_s", 0) > 0) == server
     table = TableCost.fit(shapes, seconds, [1, 2], [16, 48], meta)
     assert table.batches == (1, 2) and len(table.contexts) == 2
 

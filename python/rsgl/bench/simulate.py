@@ -62,7 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests in flight at most (as rsgl bench serving's): arrivals wait client-side",
     )
     c = parser.add_argument_group("cost model (one of)")
-    c.add_argument("--hardware", default=None, help="GPU spec: h100, h200 or a JSON file")
+    c.add_argument(
+        "--hardware",
+        default=None,
+        help="device spec: h100, h200 or a JSON file (a GPU's, or "
+        "this CPU's from --calibrate-hardware)",
+    )
     c.add_argument("--cost-model", default=None, help="a --calibrate JSON file")
     c.add_argument("--fixed-step-ms", type=float, default=None, help="every step takes this")
     m = parser.add_argument_group("modes")
@@ -74,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="--calibrate: time the steps of an rsgl serve streaming the grid's requests "
         "(what serving pays on this machine), not the model alone in this process",
     )
+    m.add_argument(
+        "--calibrate-hardware",
+        action="store_true",
+        help="measure this CPU into a --hardware spec (fitted to --cost-model, a dense "
+        "model's calibration, when given)",
+    )
+    m.add_argument("--hardware-output", default="rsgl-cpu-spec.json")
     m.add_argument(
         "--calibrate-grid",
         default="1,2,4,8,16,32,64:64,256,1024",
@@ -144,6 +156,10 @@ def main(argv: list[str]) -> int:
         from rsgl.bench.sim.calibrate import calibrate_main
 
         return calibrate_main(args)
+    if args.calibrate_hardware:
+        from rsgl.bench.sim.cpu_spec import hardware_main
+
+        return hardware_main(args)
     try:
         dep = deployment(args)
     except (ValueError, OSError) as exc:

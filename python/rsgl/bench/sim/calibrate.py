@@ -18,7 +18,8 @@ With `--calibrate-server` the steps are timed where they run when serving: an `r
 while `rsgl bench serving`'s client streams each grid point's requests from it, all sent
 at once. Those times include what the model alone does not pay: on a machine whose cores
 the model's threads fill, the frontend, the HTTP streams and the client take their share
-of them, more the more requests stream.
+of them, more the more requests stream. It also times what a request spends outside the
+steps (`request_latency`), which the simulation adds to every request's TTFT and E2E.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ SERVER_OUTPUT_LEN = 16
 # this many tokens, so that prefills over a cached prefix (a shared system prompt, a chat's
 # history) are timed too.
 PREFIX_EXTENSION = 32
+# Requests timed one at a time for `request_latency`, and their prompts' length.
+LATENCY_REQUESTS = 8
+LATENCY_PROMPT_LEN = 32
 
 
 def parse_grid(text: str) -> tuple[list[int], list[int]]:
@@ -146,6 +150,7 @@ def time_steps(
         cpu_threads=stack.cpu_threads,
         model=stack.model_dir.name,
         dtype=stack.dtype_choice.chosen,
+        quantization=stack.info()["quantization"],
     )
     return shapes, seconds, meta
 
@@ -214,6 +219,7 @@ def time_server_steps(
                 # Each step's line is written before its tokens are sent: all are there.
                 if record:
                     recorded += log.read_text().splitlines()[done:]
+            latency = request_latency(url, tokenizer, log, seed + 2 * len(points))
         finally:
             proc.terminate()
             proc.wait(60)
@@ -226,8 +232,32 @@ def time_server_steps(
         cpu_threads=info["cpu_threads"],
         model=resolve_model_dir(engine.model_path).name,
         dtype=info["dtype"],
+        quantization=info["quantization"],
+        request_latency_s=latency,
     )
     return shapes, seconds, meta
+
+
+def request_latency(url: str, tokenizer: Any, log: Path, seed: int) -> float:
+    """What a request spends outside the server's steps: the median, over requests of one
+    output token sent one at a time, of the client's end-to-end time less the seconds of
+    the steps the server logged meanwhile (the HTTP exchange, tokenizing, the hops between
+    frontend and scheduler, the stream's end). The simulation adds it to every request's
+    way in (`Simulation(request_latency_s=...)`): without it a prediction's TTFT and E2E
+    miss it, most where prefills are short."""
+    from rsgl.bench import serving
+
+    config = serving.BenchConfig(base_url=url, backend="rsgl", warmup_requests=0)
+    outside = []
+    for i in range(LATENCY_REQUESTS):
+        done = len(log.read_text().splitlines())
+        requests = serving.random_requests(tokenizer, 1, LATENCY_PROMPT_LEN, 1, seed + i)
+        (result,) = asyncio.run(serving.run_benchmark(config, requests)).results
+        if not result.success:
+            raise RuntimeError(f"a calibration request failed: {result.error}")
+        _, seconds = steps_of_log(log.read_text().splitlines()[done:])
+        outside.append(result.e2e - sum(seconds))
+    return max(0.0, float(np.median(outside)))
 
 
 def calibrate_main(args: argparse.Namespace) -> int:

@@ -32,7 +32,8 @@ from rsgl.bench.sim.workload import WorkloadSpec, make_workload
 from rsgl.distributed.sharding import TPShard
 from rsgl.model_executor.kv_cache import KVCache, resolve_kv_cache_dtype
 from rsgl.models.config import ModelConfig
-from rsgl.stack import _pool_tokens, build_core, device_pool_tokens
+from rsgl.models.dtype_choice import MIN_BF16_SPEEDUP
+from rsgl.stack import _pool_tokens, build_core, cpu_pool_tokens, device_pool_tokens
 
 # The model dtype a GPU deployment runs when --dtype is auto (as the loader picks on CUDA).
 GPU_DEFAULT_DTYPE = "bfloat16"
@@ -81,6 +82,11 @@ class Deployment:
             return self.args.dtype
         if self.calibrated is not None:  # what the calibrated engine chose
             return str((self.calibrated.meta or {}).get("dtype") or "float32")
+        if self.spec is not None and self.spec.device == "cpu":
+            # As the server chooses on a CPU: bfloat16 where it multiplies that much faster.
+            flops = self.spec.peak_flops
+            fast = flops["bfloat16"] >= MIN_BF16_SPEEDUP * flops["float32"]
+            return "bfloat16" if fast else "float32"
         return GPU_DEFAULT_DTYPE if self.spec is not None else "float32"
 
     def kv_heads_per_rank(self) -> int:
@@ -98,8 +104,8 @@ class Deployment:
 
     def max_total_tokens(self) -> int:
         """The KV pool of one replica: --max-total-tokens, else sized as the server sizes it
-        (a GPU spec: its memory minus this rank's weights, `device_pool_tokens`; otherwise
-        this machine's CPU rule)."""
+        (a GPU spec: its memory minus this rank's weights, `device_pool_tokens`; a CPU spec:
+        the CPU rule over its memory; otherwise this machine's CPU rule)."""
         args = self.args
         if args.max_total_tokens:
             return args.max_total_tokens
@@ -107,6 +113,11 @@ class Deployment:
         if self.spec is None:
             return _pool_tokens(args, self.config, torch_dtype)
         kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, torch_dtype)
+        if self.spec.device == "cpu":  # the ranks share the machine: their heads together
+            per_token = KVCache.bytes_per_slot(self.config, kv_dtype)
+            return cpu_pool_tokens(
+                self.spec.memory_bytes, args.mem_fraction, per_token, args.page_size
+            )
         per_token = KVCache.bytes_per_slot(self.config, kv_dtype, self.kv_heads_per_rank())
         c = self.config
         embedding = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
@@ -114,6 +125,14 @@ class Deployment:
         return device_pool_tokens(
             self.spec.memory_bytes, int(weights), args.mem_fraction, per_token, args.page_size
         )
+
+    @property
+    def request_latency_s(self) -> float:
+        """What a request spends outside the steps (a server calibration measures it;
+        none otherwise)."""
+        if self.calibrated is None:
+            return 0.0
+        return float((self.calibrated.meta or {}).get("request_latency_s", 0.0))
 
     def core_factory(self) -> Callable[[], Scheduler]:
         tokens = self.max_total_tokens()
@@ -163,6 +182,7 @@ class Deployment:
             context_length=self.context_length,
             overlap=not self.args.disable_overlap_schedule,
             max_concurrency=max_concurrency,
+            request_latency_s=self.request_latency_s,
         )
         started = time.perf_counter()
         summary = sim.run()

@@ -288,7 +288,8 @@ CalibratedCost = TableCost | LinearCost
 
 @dataclass(frozen=True, slots=True)
 class HardwareSpec:
-    """One accelerator's published figures (see `specs/*.json` for their sources)."""
+    """One device's figures: an accelerator's published ones (see `specs/*.json` for their
+    sources), or a CPU's measured here (`cpu_spec`)."""
 
     name: str
     memory_bytes: int
@@ -299,6 +300,11 @@ class HardwareSpec:
     allreduce_latency_s: float
     step_overhead_s: float
     source: str = ""
+    # "cuda" (an accelerator: the pool is what its memory holds beside the weights) or
+    # "cpu" (the pool is a share of the machine's memory, as the server sizes it there).
+    device: str = "cuda"
+    # A measured spec's fit (`cpu_spec.fit_to_steps`): its errors and the calibration's meta.
+    meta: dict[str, Any] | None = None
 
     @classmethod
     def load(cls, name_or_path: str) -> HardwareSpec:
@@ -370,16 +376,32 @@ class RooflineCost:
         out: np.ndarray = np.asarray(self._seconds(batch, batch, context, context))
         return out
 
-    def _seconds(self, batch: Any, new_tokens: Any, context: Any, pairs: Any) -> Any:
-        """Scalars or arrays alike (element-wise)."""
-        spec, m = self.spec, self.model
-        eff = spec.efficiency
-        read = m.weight_bytes + m.kv_bytes_per_token * (context + new_tokens)
-        flops = (
+    def bytes_read(self, shape: StepShape) -> float:
+        """What a step reads: this rank's weights once, and the KV it attends to."""
+        return float(self._read(shape.new_tokens, shape.context_tokens))
+
+    def flops(self, shape: StepShape) -> float:
+        """What a step computes: its matmuls, LM head rows and attention pairs."""
+        return float(self._flops(shape.batch_size, shape.new_tokens, shape.attention_pairs))
+
+    def _read(self, new_tokens: Any, context: Any) -> Any:
+        m = self.model
+        return m.weight_bytes + m.kv_bytes_per_token * (context + new_tokens)
+
+    def _flops(self, batch: Any, new_tokens: Any, pairs: Any) -> Any:
+        m = self.model
+        return (
             m.flops_per_token * new_tokens
             + m.lm_head_flops * batch
             + m.attention_flops_per_pair * pairs
         )
+
+    def _seconds(self, batch: Any, new_tokens: Any, context: Any, pairs: Any) -> Any:
+        """Scalars or arrays alike (element-wise)."""
+        spec, m = self.spec, self.model
+        eff = spec.efficiency
+        read = self._read(new_tokens, context)
+        flops = self._flops(batch, new_tokens, pairs)
         memory_s = read / (spec.memory_bandwidth * eff["memory"])
         compute_s = flops / (spec.peak_flops[self.dtype] * eff["compute"])
         comm_s: Any = 0.0

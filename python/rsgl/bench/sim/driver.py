@@ -100,8 +100,12 @@ class Simulation:
         on_launch: OnLaunch | None = None,
         fast_forward: bool = True,
         max_concurrency: int | None = None,
+        request_latency_s: float = 0.0,
     ) -> None:
         self.cost = cost
+        # Seconds from a request's sending to its replica's core (the server's time outside
+        # its steps, `calibrate.request_latency`): its TTFT and E2E include them.
+        self.request_latency_s = request_latency_s
         # Runs of decode steps in one core call (`_fast_forward`); off, every step is a
         # wake-up of its own (and `on_launch` sees every plan).
         self.fast_forward = fast_forward
@@ -245,14 +249,16 @@ class Simulation:
         self.rank[i] = r
         self._in_flight += 1
         replica = self.replicas[r]
-        while replica.wake_at < now:
-            self._process(r, now)
+        # The replica sees it a latency later; later arrivals reach it later still.
+        at = now + self.request_latency_s
+        while replica.wake_at < at:
+            self._process(r, at)
         room = replica.core.max_new_tokens_room(len(prompt))
         heapq.heappush(replica.finish_keys, (replica.commits + min(output_len, room), i))
         replica.pending.append((i, prompt, output_len))
         if replica.asleep:
             replica.asleep = False
-            self._wake(r, now)
+            self._wake(r, at)
         self._update_bound(r, replica)
 
     def _resume(self, r: int, now: float) -> None:
