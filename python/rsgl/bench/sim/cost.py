@@ -303,8 +303,6 @@ class HardwareSpec:
     # "cuda" (an accelerator: the pool is what its memory holds beside the weights) or
     # "cpu" (the pool is a share of the machine's memory, as the server sizes it there).
     device: str = "cuda"
-    # A measured spec's fit (`cpu_spec.fit_to_steps`): its errors and the calibration's meta.
-    meta: dict[str, Any] | None = None
 
     @classmethod
     def load(cls, name_or_path: str) -> HardwareSpec:
@@ -376,32 +374,16 @@ class RooflineCost:
         out: np.ndarray = np.asarray(self._seconds(batch, batch, context, context))
         return out
 
-    def bytes_read(self, shape: StepShape) -> float:
-        """What a step reads: this rank's weights once, and the KV it attends to."""
-        return float(self._read(shape.new_tokens, shape.context_tokens))
-
-    def flops(self, shape: StepShape) -> float:
-        """What a step computes: its matmuls, LM head rows and attention pairs."""
-        return float(self._flops(shape.batch_size, shape.new_tokens, shape.attention_pairs))
-
-    def _read(self, new_tokens: Any, context: Any) -> Any:
-        m = self.model
-        return m.weight_bytes + m.kv_bytes_per_token * (context + new_tokens)
-
-    def _flops(self, batch: Any, new_tokens: Any, pairs: Any) -> Any:
-        m = self.model
-        return (
-            m.flops_per_token * new_tokens
-            + m.lm_head_flops * batch
-            + m.attention_flops_per_pair * pairs
-        )
-
     def _seconds(self, batch: Any, new_tokens: Any, context: Any, pairs: Any) -> Any:
         """Scalars or arrays alike (element-wise)."""
         spec, m = self.spec, self.model
         eff = spec.efficiency
-        read = self._read(new_tokens, context)
-        flops = self._flops(batch, new_tokens, pairs)
+        read = m.weight_bytes + m.kv_bytes_per_token * (context + new_tokens)
+        flops = (
+            m.flops_per_token * new_tokens
+            + m.lm_head_flops * batch
+            + m.attention_flops_per_pair * pairs
+        )
         memory_s = read / (spec.memory_bandwidth * eff["memory"])
         compute_s = flops / (spec.peak_flops[self.dtype] * eff["compute"])
         comm_s: Any = 0.0
