@@ -77,3 +77,9 @@ def test_the_cli_measures_this_cpu_into_a_spec_that_prices_another_model(
     # It prices that model through --hardware.
     assert main(["--model-path", str(LLAMA3_8B), "--hardware", str(out), "--num-prompts", "4",
                  "--random-input-len", "64", "--random-output-len", "4"]) == 0  # fmt: skip
+
+
+def test_the_shipped_cpu_spec_loads_by_name() -> None:
+    spec = HardwareSpec.load("amd-epyc-zen4-2c")
+    assert spec.device == "cpu" and spec.efficiency["memory"] == 1.0
+    assert "family 25 model 17" in spec.name

@@ -4,6 +4,7 @@
         --dataset random --request-rate 20 --num-prompts 2000 --dp-size 4 --tp-size 2
     rsgl bench simulate --calibrate --calibrate-output cpu.json       # time this machine
     rsgl bench simulate --cost-model cpu.json --dataset gsp --request-rate 4
+    rsgl bench simulate --calibrate-hardware --hardware-output cpu-spec.json  # this CPU's rates
     rsgl bench simulate --hardware h200 --model-path benches/configs/llama3-8b \\
         --slo "ttft_p99<2s,itl_p99<100ms" --layouts 8x1,4x2,2x4 --report-dir capacity/
     rsgl bench simulate --validate --cost-model cpu.json              # against real runs
@@ -12,7 +13,8 @@ Every replica is a real `rsgl._core.Scheduler` built and sized as the server bui
 requests reach replicas through the server's `Dispatcher` (`--dp-size`,
 `--load-balance-method`), and each replica calls the core in the scheduling loop's order
 (overlap unless `--disable-overlap-schedule`). Steps cost what the cost model says:
-`--hardware` (a roofline from a shipped GPU spec and the model config, `--tp-size` included),
+`--hardware` (a roofline from a shipped GPU spec, or this CPU's measured by
+`--calibrate-hardware`, and the model config, `--tp-size` included),
 `--cost-model` (a calibration of this machine saved by `--calibrate`) or `--fixed-step-ms`.
 Requests arrive as a seeded Poisson process at `--request-rate` (or at a trace's own
 timestamps); `--duration` simulates that many seconds of traffic; `--max-concurrency N`
