@@ -6,17 +6,19 @@ scheduler process appears, while the scheduler imports torch and loads the model
 the server is ready; with `--dp-size 2` and with `--tp-size 2` (a follower under the
 scheduler) too. Every process it started, however deep, must then be gone. They are found
 by a marker in their environment, which every descendant inherits, wherever an orphan was
-reparented.
+reparented. Its socket directory goes too: with it, or, after a SIGKILL, at the next start.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -26,6 +28,7 @@ import httpx
 import pytest
 
 from rsgl.bench.serve_process import free_port
+from rsgl.server.ranks import IPC_DIR_PREFIX, remove_stale_ipc_dirs
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -127,6 +130,23 @@ CASES = [
 ]
 
 
+def test_the_sweep_removes_only_the_socket_directories_of_gone_processes() -> None:
+    dead = subprocess.Popen(["true"])  # noqa: S607 - a pid whose process is gone
+    dead.wait()
+    root = tempfile.gettempdir()
+    stale = tempfile.mkdtemp(prefix=f"{IPC_DIR_PREFIX}{dead.pid}-", dir=root)
+    Path(stale, "events").touch()
+    live = tempfile.mkdtemp(prefix=f"{IPC_DIR_PREFIX}{os.getpid()}-", dir=root)
+    other = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX, dir=root)  # no pid in its name
+    try:
+        removed = remove_stale_ipc_dirs()
+        assert stale in removed and not os.path.exists(stale)
+        assert os.path.isdir(live) and os.path.isdir(other)
+    finally:
+        for path in (live, other):
+            os.rmdir(path)
+
+
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_a_launcher_killed_during_start_up_leaves_no_process(case: Case, tmp_path: Path) -> None:
     mark = uuid.uuid4().hex
@@ -155,6 +175,12 @@ def test_a_launcher_killed_during_start_up_leaves_no_process(case: Case, tmp_pat
             + "; ".join(f"pid {pid}: {cmdline}" for pid, cmdline in left.items())
             + f"\n{launch.log()}"
         )
+        # Its socket directory: removed by the launcher, or, when it could not (SIGKILL),
+        # by the next start's sweep of the directories whose maker is gone.
+        mine = glob.glob(os.path.join(tempfile.gettempdir(), f"{IPC_DIR_PREFIX}{proc.pid}-*"))
+        if mine:
+            assert case.sig == signal.SIGKILL or launch.proc.returncode == -signal.SIGKILL, mine
+            assert set(mine) <= set(remove_stale_ipc_dirs())
     finally:
         for pid in marked_processes(mark):
             os.kill(pid, signal.SIGKILL)

@@ -39,6 +39,40 @@ WATCHDOG_INTERVAL_S = 0.5
 SHUTDOWN_TIMEOUT_S = 30.0
 
 
+# The socket directory's name: the prefix, the pid of the process that made it, a dash.
+IPC_DIR_PREFIX = "rsgl-ipc-"
+
+
+def remove_stale_ipc_dirs() -> list[str]:
+    """Removes the socket directories (this user's, in the temporary directory) whose maker
+    is gone: a server killed by SIGKILL cannot remove its own. Returns their paths."""
+    root = tempfile.gettempdir()
+    removed = []
+    for name in os.listdir(root):
+        pid_text, dash, _ = name.removeprefix(IPC_DIR_PREFIX).partition("-")
+        if not name.startswith(IPC_DIR_PREFIX) or not dash or not pid_text.isdigit():
+            continue
+        path = os.path.join(root, name)
+        try:
+            if os.stat(path).st_uid != os.getuid() or _alive(int(pid_text)):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def rank_args(args: EngineArgs, dp_rank: int) -> EngineArgs:
     """One data-parallel rank's options.
 
@@ -77,7 +111,8 @@ class SchedulerRanks:
         check_data_parallel(args)
         self.args = args
         self.dp_size = args.dp_size
-        self.ipc_dir = tempfile.mkdtemp(prefix="rsgl-ipc-")
+        remove_stale_ipc_dirs()
+        self.ipc_dir = tempfile.mkdtemp(prefix=f"{IPC_DIR_PREFIX}{os.getpid()}-")
         self.ctx = zmq.asyncio.Context()
         self.event_addr = f"ipc://{self.ipc_dir}/events"
         self.events = self.ctx.socket(zmq.PULL)
