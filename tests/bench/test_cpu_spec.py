@@ -36,7 +36,7 @@ CPU = HardwareSpec(
 )
 
 
-def test_a_cpu_spec_sizes_the_pool_and_picks_the_dtype_as_the_server_does_here() -> None:
+def test_a_cpu_spec_sizes_the_pool_by_the_servers_rule_and_picks_bf16_by_its_gemms() -> None:
     config = ModelConfig.from_model_dir(LLAMA3_8B)
     here = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     spec = dataclasses.replace(CPU, memory_bytes=here)
@@ -83,3 +83,23 @@ def test_the_shipped_cpu_spec_loads_by_name() -> None:
     spec = HardwareSpec.load("amd-epyc-zen4-2c")
     assert spec.device == "cpu" and spec.efficiency["memory"] == 1.0
     assert "family 25 model 17" in spec.name
+
+
+def test_the_ranks_on_one_cpu_share_its_bandwidth_and_cores() -> None:
+    config = ModelConfig.from_model_dir(LLAMA3_8B)
+    decode = StepShape(1, 1, 0, 512, 0, 512.0)
+    prefill = StepShape(1, 2048, 1, 2048, 0, 2048 * 2049 / 2)
+
+    def cost(dp: int, tp: int, shape: StepShape) -> float:
+        args = EngineArgs(dtype="bfloat16", dp_size=dp, tp_size=tp)
+        return Deployment(args, config, spec=CPU).cost_model().step_seconds(shape)
+
+    # Two replicas each read all the weights at half the bandwidth, and compute at half
+    # the FLOP/s; two tensor-parallel ranks each read and compute half, at half the rate,
+    # and all-reduce on top: on one CPU neither is faster than one rank.
+    for shape in (decode, prefill):
+        assert cost(2, 1, shape) == pytest.approx(2 * cost(1, 1, shape))
+        assert cost(1, 2, shape) > cost(1, 1, shape)
+    # A GPU spec's ranks each have a device.
+    h100 = Deployment(EngineArgs(dp_size=2), config, spec=HardwareSpec.load("h100"))
+    assert h100.rank_spec() == HardwareSpec.load("h100")

@@ -13,6 +13,7 @@ import math
 import threading
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 from word_tokenizer import WordTokenizer
@@ -163,35 +164,47 @@ def test_a_request_latency_delays_every_first_token_and_no_gap_between_tokens() 
     # two replicas behind a dispatcher that reads releases, and a burst sharing one.
     config = _config()
     requests = [(np.arange(10 + i, 40 + i), 4 + i % 3) for i in range(6)]
-    for arrivals, dp in ((np.arange(6) * 1.0, 1), (np.arange(6) * 1.0, 2), (np.zeros(6), 1)):
+
+    def run(arrivals: np.ndarray, dp: int, latency: float, cap: int | None = None) -> Simulation:
+        sim = Simulation(
+            lambda: build_core(ARGS, 1400, 8192, config),
+            FixedCost(0.010),
+            Workload(arrivals, WorkloadSpec(), recorded=requests),
+            dp_size=dp,
+            load_balance_method="total_requests",
+            request_latency_s=latency,
+            max_concurrency=cap,
+        )
+        sim.run()
+        return sim
+
+    spaced, burst = np.arange(6) * 1.0, np.zeros(6)
+    for arrivals, dp in ((spaced, 1), (spaced, 2), (burst, 1)):
         runs = []
         for latency in (0.0, 0.0125):
-            sim = Simulation(
-                lambda: build_core(ARGS, 1400, 8192, config),
-                FixedCost(0.010),
-                Workload(arrivals, WorkloadSpec(), recorded=requests),
-                dp_size=dp,
-                load_balance_method="total_requests",
-                request_latency_s=latency,
-            )
-            sim.run()
-            runs.append(
-                (
-                    sim.first_token - sim.sent,
-                    sim.finish - sim.sent,
-                    np.sort(np.concatenate(sim._itl)),
-                )
-            )
-        (ttft0, e2e0, itl0), (ttft1, e2e1, itl1) = runs  # fmt: skip
+            sim = run(arrivals, dp, latency)
+            itl = np.sort(np.concatenate(sim._itl))
+            runs.append((sim.first_token - sim.sent, sim.finish - sim.sent, itl))
+        (ttft0, e2e0, itl0), (ttft1, e2e1, itl1) = runs
         np.testing.assert_allclose(ttft1, ttft0 + 0.0125)
         np.testing.assert_allclose(e2e1, e2e0 + 0.0125)
         np.testing.assert_allclose(itl1, itl0)
+    # Two at a time: each later one is sent when one is released, and reaches the replica a
+    # latency later (where the steps stand then), so no TTFT is below a lone request's.
+    capped = run(burst, 1, 0.0125, cap=2)
+    ttft = capped.first_token - capped.sent
+    assert ttft[:2] == pytest.approx([0.0225] * 2)
+    assert (ttft >= 0.0225 - 1e-12).all() and (capped.sent[2:] > 0).all()
     # A calibration's measured latency is the deployment's.
     table = TableCost((1,), (16.0,), ((0.01,),), LinearCost((0.01, 0, 0, 0, 0)),
                       meta={"request_latency_s": 0.02})  # fmt: skip
     dep = Deployment(EngineArgs(max_total_tokens=4000), config, calibrated=table)
     spec = WorkloadSpec(num_prompts=3, random_input_len=16, random_output_len=2)
     assert dep.simulate(spec, 0.5)["mean_ttft_ms"] == pytest.approx(20.0 + 10.0)
+    with pytest.raises(ValueError, match="request_latency_s"):
+        Simulation(
+            dep.core_factory(), FixedCost(0.01), make_workload(spec, 1.0), request_latency_s=-1
+        )
 
 
 def test_a_request_arriving_mid_step_waits_for_the_running_steps() -> None:
@@ -673,7 +686,8 @@ def test_the_validation_runs_both_sides_under_the_same_cap(
     monkeypatch.setattr(serving, "load_tokenizer", lambda path: WordTokenizer())
     monkeypatch.setattr(validate, "start_server", start_server)
     posts: list[str] = []
-    monkeypatch.setattr("httpx.post", lambda url, **k: posts.append(url))
+    ok = httpx.Response(200, request=httpx.Request("POST", "http://x"))
+    monkeypatch.setattr("httpx.post", lambda url, **k: posts.append(url) or ok)
     cost = tmp_path / "cost.json"
     linear = LinearCost((2e-3, 1e-5, 4e-6, 3e-9, 5e-5))
     cost.write_text(json.dumps(linear.to_json()))

@@ -15,6 +15,7 @@ import dataclasses
 import glob
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,7 +29,12 @@ import httpx
 import pytest
 
 from rsgl.bench.serve_process import free_port
-from rsgl.server.ranks import IPC_DIR_PREFIX, remove_stale_ipc_dirs
+from rsgl.server.ranks import (
+    IPC_DIR_PREFIX,
+    UNLOCKED_STALE_S,
+    make_ipc_dir,
+    remove_stale_ipc_dirs,
+)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -131,20 +137,26 @@ CASES = [
 
 
 def test_the_sweep_removes_only_the_socket_directories_of_gone_processes() -> None:
-    dead = subprocess.Popen(["true"])  # noqa: S607 - a pid whose process is gone
-    dead.wait()
     root = tempfile.gettempdir()
-    stale = tempfile.mkdtemp(prefix=f"{IPC_DIR_PREFIX}{dead.pid}-", dir=root)
-    Path(stale, "events").touch()
-    live = tempfile.mkdtemp(prefix=f"{IPC_DIR_PREFIX}{os.getpid()}-", dir=root)
-    other = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX, dir=root)  # no pid in its name
+    # A maker that is gone: its lock file is there, and nobody holds the lock.
+    make = "from rsgl.server.ranks import make_ipc_dir; print(make_ipc_dir()[0])"
+    made = subprocess.run([sys.executable, "-c", make], check=True, capture_output=True, text=True)
+    gone = made.stdout.strip()
+    Path(gone, "events").touch()
+    live, lock = make_ipc_dir()  # this process holds its lock
+    # Without a lock file: one being made (kept) and an old one (an earlier version's).
+    fresh = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX, dir=root)
+    old = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX, dir=root)
+    os.utime(old, (time.time() - UNLOCKED_STALE_S - 60,) * 2)
     try:
         removed = remove_stale_ipc_dirs()
-        assert stale in removed and not os.path.exists(stale)
-        assert os.path.isdir(live) and os.path.isdir(other)
+        assert gone in removed and old in removed
+        assert not os.path.exists(gone) and not os.path.exists(old)
+        assert os.path.isdir(live) and os.path.isdir(fresh)
     finally:
-        for path in (live, other):
-            os.rmdir(path)
+        lock.close()
+        shutil.rmtree(live)
+        os.rmdir(fresh)
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -177,6 +189,7 @@ def test_a_launcher_killed_during_start_up_leaves_no_process(case: Case, tmp_pat
         )
         # Its socket directory: removed by the launcher, or, when it could not (SIGKILL),
         # by the next start's sweep of the directories whose maker is gone.
+        proc.wait(GONE_TIMEOUT_S)
         mine = glob.glob(os.path.join(tempfile.gettempdir(), f"{IPC_DIR_PREFIX}{proc.pid}-*"))
         if mine:
             assert case.sig == signal.SIGKILL or launch.proc.returncode == -signal.SIGKILL, mine

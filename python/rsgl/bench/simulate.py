@@ -84,8 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--calibrate-hardware",
         action="store_true",
-        help="measure this CPU into a --hardware spec (fitted to --cost-model, a dense "
-        "model's calibration, when given)",
+        help="measure this CPU's memory bandwidth, GEMM FLOP/s and memory into a --hardware spec",
     )
     m.add_argument("--hardware-output", default="rsgl-cpu-spec.json")
     m.add_argument(

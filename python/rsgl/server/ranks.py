@@ -14,14 +14,16 @@ import asyncio
 import atexit
 import contextlib
 import dataclasses
+import fcntl
 import logging
 import multiprocessing as mp
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import IO, Any
 
 import zmq
 import zmq.asyncio
@@ -39,38 +41,57 @@ WATCHDOG_INTERVAL_S = 0.5
 SHUTDOWN_TIMEOUT_S = 30.0
 
 
-# The socket directory's name: the prefix, the pid of the process that made it, a dash.
+# The socket directory's name starts so; its maker holds an exclusive `flock` on LOCK_FILE
+# in it for as long as it lives (the kernel drops the lock with the process, however it
+# ends), so a directory whose lock can be taken is stale.
 IPC_DIR_PREFIX = "rsgl-ipc-"
+LOCK_FILE = "lock"
+# A directory without a lock file (one being made, or an older version's) is left alone
+# until it is this old.
+UNLOCKED_STALE_S = 3600.0
+
+
+def make_ipc_dir() -> tuple[str, IO[bytes]]:
+    """A socket directory of this process, and the open lock file that marks it live."""
+    path = tempfile.mkdtemp(prefix=f"{IPC_DIR_PREFIX}{os.getpid()}-")
+    lock = open(os.path.join(path, LOCK_FILE), "wb")  # noqa: SIM115 - held for the life
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return path, lock
 
 
 def remove_stale_ipc_dirs() -> list[str]:
-    """Removes the socket directories (this user's, in the temporary directory) whose maker
-    is gone: a server killed by SIGKILL cannot remove its own. Returns their paths."""
+    """Removes the socket directories of this user, in the temporary directory, whose maker
+    is gone (a server killed by SIGKILL cannot remove its own); returns their paths."""
     root = tempfile.gettempdir()
     removed = []
-    for name in os.listdir(root):
-        pid_text, dash, _ = name.removeprefix(IPC_DIR_PREFIX).partition("-")
-        if not name.startswith(IPC_DIR_PREFIX) or not dash or not pid_text.isdigit():
-            continue
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(IPC_DIR_PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
         path = os.path.join(root, name)
         try:
-            if os.stat(path).st_uid != os.getuid() or _alive(int(pid_text)):
+            if os.lstat(path).st_uid != os.getuid() or not _is_stale(path):
                 continue
+            shutil.rmtree(path)
         except OSError:
             continue
-        shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
 
 
-def _alive(pid: int) -> bool:
+def _is_stale(path: str) -> bool:
+    lock_path = os.path.join(path, LOCK_FILE)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
+        lock = open(lock_path, "rb")  # noqa: SIM115 - closed below
+    except FileNotFoundError:
+        return time.time() - os.stat(path).st_mtime > UNLOCKED_STALE_S
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # its maker holds it
         return True
-    return True
 
 
 def rank_args(args: EngineArgs, dp_rank: int) -> EngineArgs:
@@ -112,7 +133,7 @@ class SchedulerRanks:
         self.args = args
         self.dp_size = args.dp_size
         remove_stale_ipc_dirs()
-        self.ipc_dir = tempfile.mkdtemp(prefix=f"{IPC_DIR_PREFIX}{os.getpid()}-")
+        self.ipc_dir, self._ipc_lock = make_ipc_dir()
         self.ctx = zmq.asyncio.Context()
         self.event_addr = f"ipc://{self.ipc_dir}/events"
         self.events = self.ctx.socket(zmq.PULL)
@@ -234,9 +255,10 @@ class SchedulerRanks:
             socket.close(linger=0)
         self.events.close(linger=0)
         self.ctx.term()
-        for name in ("events", *(f"commands-{r}" for r in range(self.dp_size))):
+        for name in ("events", LOCK_FILE, *(f"commands-{r}" for r in range(self.dp_size))):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(self.ipc_dir, name))
+        self._ipc_lock.close()
         with contextlib.suppress(OSError):
             os.rmdir(self.ipc_dir)
 
@@ -247,6 +269,7 @@ class SchedulerRanks:
         for proc in self.procs:
             proc.terminate()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        self._ipc_lock.close()
 
     def _kill_leftovers(self) -> None:
         """Terminates (then kills) the ranks still running; reaps them all."""

@@ -83,7 +83,8 @@ class Deployment:
         if self.calibrated is not None:  # what the calibrated engine chose
             return str((self.calibrated.meta or {}).get("dtype") or "float32")
         if self.spec is not None and self.spec.device == "cpu":
-            # As the server chooses on a CPU: bfloat16 where it multiplies that much faster.
+            # The server's threshold on the spec's GEMMs: bfloat16 where it multiplies that
+            # much faster.
             flops = self.spec.peak_flops
             fast = flops["bfloat16"] >= MIN_BF16_SPEEDUP * flops["float32"]
             return "bfloat16" if fast else "float32"
@@ -114,7 +115,13 @@ class Deployment:
             return _pool_tokens(args, self.config, torch_dtype)
         kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, torch_dtype)
         if self.spec.device == "cpu":  # the ranks share the machine: their heads together
+            # (replicated heads count on every rank, as `stack._pool_tokens` counts them)
             per_token = KVCache.bytes_per_slot(self.config, kv_dtype)
+            if args.tp_size > 1:
+                shards = [TPShard.of(self.config, args.tp_size, r) for r in range(args.tp_size)]
+                per_token = sum(
+                    KVCache.bytes_per_slot(self.config, kv_dtype, s.num_kv_heads) for s in shards
+                )
             return cpu_pool_tokens(
                 self.spec.memory_bytes, args.mem_fraction, per_token, args.page_size
             )
@@ -145,7 +152,21 @@ class Deployment:
             return self.calibrated
         if self.spec is None:
             raise ValueError("no cost model: give --hardware, --cost-model or --fixed-step-ms")
-        return RooflineCost(self.spec, self.footprint(), self.dtype, self.args.tp_size)
+        return RooflineCost(self.rank_spec(), self.footprint(), self.dtype, self.args.tp_size)
+
+    def rank_spec(self) -> HardwareSpec:
+        """What one rank has of the spec's device: a GPU each, but a CPU's ranks (dp x tp of
+        them, as the server splits the cores) share its bandwidth and its cores."""
+        spec = self.spec
+        assert spec is not None
+        ranks = self.args.dp_size * self.args.tp_size
+        if spec.device != "cpu" or ranks == 1:
+            return spec
+        return dataclasses.replace(
+            spec,
+            memory_bandwidth=spec.memory_bandwidth / ranks,
+            peak_flops={k: v / ranks for k, v in spec.peak_flops.items()},
+        )
 
     def describe(self) -> dict[str, Any]:
         source: Any = "fixed" if self.fixed_step_s is not None else None

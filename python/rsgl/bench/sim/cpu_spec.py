@@ -4,12 +4,15 @@ The shipped GPU specs hold published peaks derated by assumed efficiencies. A CP
 datasheet figure worth pricing steps with (a VM's share of a socket's bandwidth is its own),
 so this one is measured: the memory read bandwidth (a sum over 1 GiB with the engine's
 threads, as `rsgl bench one-batch` measures it), the matrix-multiply FLOP/s in float32 and
-bfloat16 (a square GEMM through torch, which is what a dense projection runs), and the
-memory the machine has. Those are rates reached, not peaks, so their efficiencies are 1.
+bfloat16 (a square torch GEMM, as large as a prefill's projections), and the memory the
+machine has. Those are rates reached, not peaks, so their efficiencies are 1.
 
-The spec prices a model on this CPU through `--hardware FILE` (its KV pool sized from the
-machine's memory, its dtype chosen as the server chooses), which a calibration, timing one
-model, cannot do. It suits models large enough that their steps are bound by bytes and
+The spec prices a model on this CPU through `--hardware FILE`, which a calibration, timing
+one model, cannot do: its KV pool sized by the server's CPU rule over the machine's memory,
+bfloat16 under `--dtype auto` where the spec's GEMM is `MIN_BF16_SPEEDUP` times faster in
+it (the server's threshold; the server times two projection shapes of its own instead), and
+each of the dp x tp ranks with its share of the bandwidth and the cores, as the server
+splits the cores among them. It suits models large enough that their steps are bound by bytes and
 FLOPs: a small model's steps are bound by the work per layer and per kernel call, which
 scale with neither, and its calibration (`--calibrate`) prices it better. Nothing is
 fitted: the per-step overhead is 0. The interconnect figure for `--tp-size` (ranks on one

@@ -103,6 +103,8 @@ class Simulation:
         request_latency_s: float = 0.0,
     ) -> None:
         self.cost = cost
+        if not (math.isfinite(request_latency_s) and request_latency_s >= 0):
+            raise ValueError(f"request_latency_s must be >= 0, got {request_latency_s}")
         # Seconds from a request's sending to its replica's core (the server's time outside
         # its steps, `calibrate.request_latency`): its TTFT and E2E include them.
         self.request_latency_s = request_latency_s

@@ -5,7 +5,9 @@ at two loads each, one `rsgl serve` (the engine options given, so the same pool,
 and policy as the simulation) is measured with `rsgl bench serving`'s own client, its prefix
 cache flushed before every run, and the simulation predicts the same run with the cost model
 given (`--cost-model`, from `--calibrate` on this machine). One table compares throughput,
-median TTFT and median ITL, measured and predicted, with the relative error.
+median TTFT and median ITL, measured and predicted, with the relative error, and the decode
+steps' mean batch in the server's step log and in the simulation. No run sends the client's
+warm-up request (it would leave the run's first prompt cached): the server is warmed once.
 
 The loads are shares of each workload's capacity on the calibrated machine (`LOADS`: the
 simulation's throughput when every request arrives at once), so that every machine is
@@ -170,7 +172,7 @@ def warm_up(url: str) -> None:
     import httpx
 
     body = {"text": "Warm up.", "sampling_params": {"max_new_tokens": 8}}
-    httpx.post(f"{url}/generate", json=body, timeout=300)
+    httpx.post(f"{url}/generate", json=body, timeout=300).raise_for_status()
 
 
 def measure(
