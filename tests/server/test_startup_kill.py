@@ -31,7 +31,6 @@ import pytest
 from rsgl.bench.serve_process import free_port
 from rsgl.server.ranks import (
     IPC_DIR_PREFIX,
-    UNLOCKED_STALE_S,
     make_ipc_dir,
     remove_stale_ipc_dirs,
 )
@@ -147,7 +146,7 @@ def test_the_sweep_removes_only_the_socket_directories_of_gone_processes() -> No
     # Without a lock file: one being made (kept) and an old one (an earlier version's).
     fresh = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX, dir=root)
     old = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX, dir=root)
-    os.utime(old, (time.time() - UNLOCKED_STALE_S - 60,) * 2)
+    os.utime(old, (0, 0))  # made in 1970: far older than UNLOCKED_STALE_S
     try:
         removed = remove_stale_ipc_dirs()
         assert gone in removed and old in removed

@@ -63,7 +63,7 @@ def remove_stale_ipc_dirs() -> list[str]:
     """Removes the socket directories of this user, in the temporary directory, whose maker
     is gone (a server killed by SIGKILL cannot remove its own); returns their paths."""
     root = tempfile.gettempdir()
-    removed = []
+    removed: list[str] = []
     try:
         names = [n for n in os.listdir(root) if n.startswith(IPC_DIR_PREFIX)]
     except OSError:
