@@ -142,6 +142,7 @@ def test_the_sweep_removes_only_the_socket_directories_of_gone_processes() -> No
     made = subprocess.run([sys.executable, "-c", make], check=True, capture_output=True, text=True)
     gone = made.stdout.strip()
     Path(gone, "events").touch()
+    os.utime(Path(gone, "lock"), (0, 0))  # past the grace a maker has to lock it
     live, lock = make_ipc_dir()  # this process holds its lock
     # Without a lock file: one being made (kept) and an old one (an earlier version's).
     fresh = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX, dir=root)
@@ -192,6 +193,8 @@ def test_a_launcher_killed_during_start_up_leaves_no_process(case: Case, tmp_pat
         mine = glob.glob(os.path.join(tempfile.gettempdir(), f"{IPC_DIR_PREFIX}{proc.pid}-*"))
         if mine:
             assert case.sig == signal.SIGKILL or launch.proc.returncode == -signal.SIGKILL, mine
+            for path in mine:  # as a start a minute later finds it
+                os.utime(os.path.join(path, "lock"), (0, 0))
             assert set(mine) <= set(remove_stale_ipc_dirs())
     finally:
         for pid in marked_processes(mark):

@@ -49,6 +49,9 @@ LOCK_FILE = "lock"
 # A directory without a lock file (one being made, or an older version's) is left alone
 # until it is this old.
 UNLOCKED_STALE_S = 3600.0
+# A lock file younger than this may not be locked yet (its maker is between creating and
+# locking it): it counts as live.
+LOCK_GRACE_S = 60.0
 
 
 def make_ipc_dir() -> tuple[str, IO[bytes]]:
@@ -87,6 +90,8 @@ def _is_stale(path: str) -> bool:
     except FileNotFoundError:
         return time.time() - os.stat(path).st_mtime > UNLOCKED_STALE_S
     with lock:
+        if time.time() - os.fstat(lock.fileno()).st_mtime < LOCK_GRACE_S:
+            return False
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
