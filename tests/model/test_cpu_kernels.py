@@ -114,17 +114,20 @@ F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 # per register group, so 8 per kv head take two groups, 6 take 3 + 3 at 80, 1 group of one
 # at 256) and the widening loops otherwise (40).
 def _scattered_requests(
-    gen: torch.Generator, max_len: int, kv_slots: int
+    gen: torch.Generator, max_len: int, kv_slots: int, first_len: int | None = None
 ) -> tuple[list[int], torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor]:
     """17 decoding requests (so the threads split them): request 1 decodes its first token,
     request 2 has exactly two 16-position tiles (the AVX-512 path scores 16 at a time), the
-    others a random length below `max_len` with a tail. Each sequence lives in scattered KV
-    slots (1 .. kv_slots - 1); its last position is the new token. Returns (lens, the
-    req_to_token table, the requests' rows in it, each one's slots, the new tokens' slots)."""
+    others a random length below `max_len` with a tail (request 0: `first_len`, if given).
+    Each sequence lives in scattered KV slots (1 .. kv_slots - 1); its last position is the
+    new token. Returns (lens, the req_to_token table, the requests' rows in it, each one's
+    slots, the new tokens' slots)."""
     lens = [int(n) for n in torch.randint(1, max_len, (17,), generator=gen)]
     lens[1], lens[2] = 1, 32
+    if first_len is not None:
+        lens[0] = first_len
     slots = torch.randperm(kv_slots - 1, generator=gen)[: sum(lens)] + 1
-    table = torch.zeros(20, max_len, dtype=torch.int32)
+    table = torch.zeros(20, max(lens), dtype=torch.int32)
     req_slots = torch.randperm(20, generator=gen)[: len(lens)]
     seq_slots = slots.split(lens)
     for row, sl in zip(req_slots.tolist(), seq_slots, strict=True):
@@ -466,11 +469,13 @@ def test_a_request_alone_gets_the_bits_it_gets_in_a_batch(
     heads: int,
     kv_heads: int,
 ) -> None:
-    # With fewer requests than threads a request's kv heads are split among the threads; in
-    # a batch of 17 each request is one work item. A head's arithmetic must not depend on
-    # which (4 threads: the split happens on any machine).
+    # A request alone is split into its kv heads among the threads; in the batch of 17 only
+    # request 0, longer than a thread's share of the batch's positions, is, and the others
+    # are one work item each. A head's arithmetic must not depend on which (4 threads: the
+    # splits happen on any machine).
     gen = torch.Generator().manual_seed(dim + kv_heads)
-    lens, table, req_slots, _, loc = _scattered_requests(gen, 70, 2048)
+    lens, table, req_slots, _, loc = _scattered_requests(gen, 70, 2048, first_len=400)
+    assert 4 * lens[0] > sum(lens) and all(4 * n < sum(lens) for n in lens[1:])
     b = len(lens)
     cache = _filled_cache(gen, kv_dtype, kv_heads, dim)
     qkv = torch.randn(b, (heads + 2 * kv_heads) * dim, generator=gen).to(act)

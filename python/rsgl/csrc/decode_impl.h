@@ -24,22 +24,6 @@
    rounded (the queries are widened once, for all requests). */
 #define ACT_TMP(H, D) (ACT_BF16 ? (H) * (D) : 0)
 
-/* Work items per request: one, or (fewer requests than threads) one per kv head, so that a
-   batch of one still uses every thread. A head's arithmetic is the same whichever item it
-   falls in, so the split changes no bit of the output. */
-static inline int64_t ENTRY(items_per_request)(int64_t B, int64_t Hkv, int nthreads) {
-    return B < nthreads ? Hkv : 1;
-}
-
-/* Work item i: its request, and the kv heads [j0, j1) it attends for. */
-static inline int64_t ENTRY(item_heads)(int64_t i, int64_t per, int64_t Hkv, int64_t* j0,
-                                        int64_t* j1) {
-    const int64_t c = i % per;
-    *j0 = c * Hkv / per;
-    *j1 = (c + 1) * Hkv / per;
-    return i / per;
-}
-
 /* Attention of request b's query heads for kv heads [j0, j1) into out (float32 query qf),
    with its own scratch; out rounded to the activation dtype for those heads only. */
 static inline void ENTRY(attend_item)(
@@ -70,7 +54,8 @@ void ENTRY(rsgl_decode_attention)(
     const int32_t* req_to_token,
     int64_t r2t_stride, const int64_t* req_slots, const int64_t* seq_lens, ACT_T* out,
     int64_t B, int64_t H, int64_t Hkv, int64_t D, float scale, int nthreads) {
-    const int64_t per = ENTRY(items_per_request)(B, Hkv, nthreads);
+    int64_t n;
+    DecodeItem* items = decode_items(seq_lens, B, Hkv, nthreads, &n);
 #if ACT_BF16
     /* The widened queries, one row per request. */
     float* qf = (float*)malloc(sizeof(float) * (size_t)(B * H * D));
@@ -80,12 +65,13 @@ void ENTRY(rsgl_decode_attention)(
     const float* qf = q;
 #endif
     #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-    for (int64_t i = 0; i < B * per; i++) {
-        int64_t j0, j1;
-        const int64_t b = ENTRY(item_heads)(i, per, Hkv, &j0, &j1);
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t b = items[i].b;
         ENTRY(attend_item)(qf + b * H * D, kb, vb, ks, vs, req_to_token + req_slots[b] * r2t_stride,
-                           seq_lens[b], out + b * H * D, H, Hkv, j0, j1, D, scale);
+                           seq_lens[b], out + b * H * D, H, Hkv, items[i].j0, items[i].j1, D,
+                           scale);
     }
+    free(items);
 #if ACT_BF16
     free(qf);
 #endif
@@ -148,7 +134,6 @@ void ENTRY(rsgl_decode_layer)(
     const int64_t* seq_lens, ACT_T* out, int64_t B, int64_t H, int64_t Hkv, int64_t D,
     float scale, int nthreads) {
     const int64_t width = (H + 2 * Hkv) * D;
-    const int64_t per = ENTRY(items_per_request)(B, Hkv, nthreads);
     float* q = (float*)malloc(sizeof(float) * (size_t)(B * H * D));
     if (!q) abort();
     /* A row's rotary and store are a few hundred operations: in one loop, before the
@@ -156,14 +141,16 @@ void ENTRY(rsgl_decode_layer)(
     for (int64_t b = 0; b < B; b++)
         ENTRY(rotate_store)(qkv + b * width, cis + b * D, loc[b], kb, vb, ks, vs,
                             q + b * H * D, H, Hkv, D);
+    int64_t n;
+    DecodeItem* items = decode_items(seq_lens, B, Hkv, nthreads, &n);
     #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-    for (int64_t i = 0; i < B * per; i++) {
-        int64_t j0, j1;
-        const int64_t b = ENTRY(item_heads)(i, per, Hkv, &j0, &j1);
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t b = items[i].b;
         ENTRY(attend_item)(q + b * H * D, kb, vb, ks, vs,
                            req_to_token + req_slots[b] * r2t_stride, seq_lens[b],
-                           out + b * H * D, H, Hkv, j0, j1, D, scale);
+                           out + b * H * D, H, Hkv, items[i].j0, items[i].j1, D, scale);
     }
+    free(items);
     free(q);
 }
 
