@@ -56,6 +56,7 @@ class StepShape:
             float(self.new_tokens),
             self.attention_pairs,
             float(self.num_extends),
+            float(self.context_tokens),
         ]
 
 

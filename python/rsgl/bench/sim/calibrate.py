@@ -4,10 +4,11 @@ The model is built as the server builds it (`rsgl.stack.build_stack`: same dtype
 threads, attention backend) and its steps are the core's own plans: for each decode batch B
 and context C of the grid, B requests of C random prompt tokens are queued, their prefill
 (chunked as the server chunks it) and a few decode steps run, then the same again with each
-prompt extended (a prefill over a cached prefix), and every step's shape and
+prompt extended (a prefill over a cached prefix); after the grid, prompts of up to a
+chunk and a half are prefilled alone (`PREFILL_FRACTIONS`); every step's shape and
 time (prepare + forward + sampling + the host copy of the tokens, on the CPU compute thread
 as the loop runs them) is a sample. The decode steps' medians per grid point and the
-least-squares fit of the prefill steps (`TableCost.fit`) are saved as JSON for
+linear fit of the prefill steps (`TableCost.fit`) are saved as JSON for
 `--cost-model`, with the timed steps themselves (`samples`: each step's `StepShape` fields and
 seconds), so that another model can be fitted to them later. Where the model has low-bit
 weights, the grid's batches gain the largest that reads them and the next
@@ -54,6 +55,13 @@ SERVER_OUTPUT_LEN = 16
 # this many tokens, so that prefills over a cached prefix (a shared system prompt, a chat's
 # history) are timed too.
 PREFIX_EXTENSION = 32
+# Prompts prefilled alone after the grid (one output token, so no decode step), at these
+# fractions of the longest prefill chunk, each twice: a whole chunk, and a chunk that
+# continues a prompt over its cached first chunk, are then among the fitted steps rather than
+# extrapolated from the grid's prompts (SmolLM2's 1,536-token prefills on a 2-core Zen 4
+# were priced 20% high by a grid whose prompts ended at 1,024 tokens).
+PREFILL_FRACTIONS = (0.25, 0.5, 1.0, 1.5)
+PREFILL_REPEATS = 2
 # Requests timed one at a time for `request_latency`, and their prompts' length.
 LATENCY_REQUESTS = 8
 LATENCY_PROMPT_LEN = 32
@@ -73,6 +81,14 @@ def with_low_bit_switch(batches: list[int], max_rows: int | None) -> list[int]:
     last = max_rows or 0
     switch = {b for b in (last, last + 1) if last and batches[0] < b < batches[-1]}
     return sorted(set(batches) | switch)
+
+
+def prefill_lengths(chunk: int, contexts: list[int], context_length: int) -> list[int]:
+    """The prompt lengths the prefill sweep times (`PREFILL_FRACTIONS` of the chunk, or of
+    twice the grid's longest context where prefills are not chunked), each within the
+    model's context."""
+    longest = chunk if chunk > 0 else 2 * max(contexts)
+    return sorted({min(context_length - 1, max(1, round(f * longest))) for f in PREFILL_FRACTIONS})
 
 
 def cpu_name() -> str:
@@ -112,9 +128,11 @@ def time_steps(
             [np.concatenate([p, rng.integers(10, vocab, PREFIX_EXTENSION)]) for p in first], record
         )
 
-    def run_requests(batch_prompts: list[np.ndarray], record: bool) -> None:
+    def run_requests(
+        batch_prompts: list[np.ndarray], record: bool, max_new_tokens: int = DECODE_STEPS + 1
+    ) -> None:
         nonlocal next_id
-        params = SamplingParams(max_new_tokens=DECODE_STEPS + 1, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
         prompts = {}
         for prompt in batch_prompts:
             core.add_request(next_id, prompt, params.max_new_tokens, ignore_eos=True)
@@ -136,17 +154,22 @@ def time_steps(
                 shapes.append(StepShape.of(plan))
                 seconds.append(elapsed)
 
+    lengths = prefill_lengths(engine.chunked_prefill_size, contexts, stack.context_length)
+
     def grid() -> None:
         run_point(batches[0], contexts[0], record=False)  # warm-up
         for context in contexts:
             for batch in batches:
                 run_point(batch, context, record=True)
+        for length in lengths * PREFILL_REPEATS:
+            run_requests([rng.integers(10, vocab, length)], record=True, max_new_tokens=1)
 
     run_on_compute_thread(grid)
     meta = _meta(
         engine,
         batches,
         contexts,
+        prefill_lengths=lengths,
         cpu_threads=stack.cpu_threads,
         model=stack.model_dir.name,
         dtype=stack.dtype_choice.chosen,
@@ -219,7 +242,11 @@ def time_server_steps(
                 # Each step's line is written before its tokens are sent: all are there.
                 if record:
                     recorded += log.read_text().splitlines()[done:]
-            latency = request_latency(url, tokenizer, log, seed + 2 * len(points))
+            lengths = prefill_lengths(
+                engine.chunked_prefill_size, contexts, int(info["context_length"])
+            )
+            recorded += prefill_sweep(url, tokenizer, log, lengths, seed + 2 * len(points))
+            latency = request_latency(url, tokenizer, log, seed + 3 * len(points))
         finally:
             proc.terminate()
             proc.wait(60)
@@ -228,6 +255,7 @@ def time_server_steps(
         engine,
         batches,
         contexts,
+        prefill_lengths=lengths,
         through="rsgl serve",
         cpu_threads=info["cpu_threads"],
         model=resolve_model_dir(engine.model_path).name,
@@ -236,6 +264,26 @@ def time_server_steps(
         request_latency_s=latency,
     )
     return shapes, seconds, meta
+
+
+def prefill_sweep(url: str, tokenizer: Any, log: Path, lengths: list[int], seed: int) -> list[str]:
+    """The step-log lines of `lengths`' prompts (`PREFILL_REPEATS` times each), sent one at a
+    time for one output token each, every one after a cache flush."""
+    import httpx
+
+    from rsgl.bench import serving
+
+    config = serving.BenchConfig(base_url=url, backend="rsgl", warmup_requests=0)
+    lines = []
+    for i, length in enumerate(lengths * PREFILL_REPEATS):
+        httpx.post(f"{url}/flush_cache", timeout=30)
+        done = len(log.read_text().splitlines())
+        requests = serving.random_requests(tokenizer, 1, length, 1, seed + i)
+        (result,) = asyncio.run(serving.run_benchmark(config, requests)).results
+        if not result.success:
+            raise RuntimeError(f"a calibration request failed: {result.error}")
+        lines += log.read_text().splitlines()[done:]
+    return lines
 
 
 def request_latency(url: str, tokenizer: Any, log: Path, seed: int) -> float:

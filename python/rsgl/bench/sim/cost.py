@@ -11,8 +11,8 @@ math. Three models price a shape:
   of 8 a dense copy through another GEMM; SmolLM2 on 2 Sapphire Rapids cores: 9, 10, 15, 33,
   36, 45 and 56 ms at batches 1 to 64), so no one line fits them. Prefill and extend steps
   are priced by a `LinearCost` fitted to those steps alone.
-- `LinearCost`: seconds = c · features(shape), least-squares fitted (earlier calibrations
-  fitted every step with it; their files still load).
+- `LinearCost`: seconds = c · features(shape), fitted for the least mean relative error
+  (earlier calibrations fitted every step with it; their files still load).
 - `RooflineCost`: a device's published memory bandwidth, peak FLOP/s for the dtype and
   interconnect bandwidth (`HardwareSpec`, shipped for H100 and H200 in `specs/`) applied to a
   model config: a step takes the longer of reading its bytes (weights once, the KV it
@@ -37,8 +37,17 @@ from rsgl.scheduler.step_shape import StepShape
 if TYPE_CHECKING:
     from rsgl.models.config import ModelConfig
 
-# LinearCost's features, in coefficient order.
-FEATURES = ("step", "batch_size", "new_tokens", "attention_pairs", "num_extends")
+# LinearCost's features, in coefficient order. Files fitted before "context_tokens" (the KV
+# a step reads: a CPU extend gathers its whole sequence's K and V, a pass over the prefix
+# that its query-key pairs do not count) still load, with that coefficient 0.
+FEATURES = (
+    "step",
+    "batch_size",
+    "new_tokens",
+    "attention_pairs",
+    "num_extends",
+    "context_tokens",
+)
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
 
@@ -102,37 +111,43 @@ class LinearCost:
             + c[2] * shape.new_tokens
             + c[3] * shape.attention_pairs
             + c[4] * shape.num_extends
+            + c[5] * shape.context_tokens
         )
         return t if t > self.floor_s else self.floor_s
 
     def decode_seconds(self, batch: np.ndarray, context: np.ndarray) -> np.ndarray:
         c = self.coefficients
-        t = c[0] + (c[1] + c[2]) * batch + c[3] * context
+        t = c[0] + (c[1] + c[2]) * batch + (c[3] + c[5]) * context
         out: np.ndarray = np.maximum(t, self.floor_s)
         return out
+
+    def __post_init__(self) -> None:
+        if len(self.coefficients) != len(FEATURES):
+            raise ValueError(f"a LinearCost has {len(FEATURES)} coefficients {FEATURES}")
 
     @classmethod
     def fit(
         cls, shapes: list[StepShape], seconds: list[float], meta: dict[str, Any] | None = None
     ) -> LinearCost:
-        """The least-squares fit of `seconds` over the shapes' features, weighted by
-        1 / seconds so that short decode steps are fitted as closely (relatively) as long
-        prefills, with no negative coefficient: more of anything never makes a step
-        shorter (a noisy or too small grid otherwise fits a negative cost that extrapolates
-        to negative times). Features whose coefficient comes out negative are dropped and the
-        rest refitted, until none is. Records the fit's mean and worst relative error."""
+        """The fit of `seconds` over the shapes' features that minimizes the mean relative
+        error, with no negative coefficient.
+
+        Relative, so that short steps are fitted as closely as long prefills; absolute
+        rather than squared (iteratively reweighted least squares), because a VM's timings
+        have outliers (a step taking twice its peers' time while another process had the
+        cores) and a squared fit follows them. Non-negative, because more of anything never
+        makes a step shorter (a noisy or too small grid otherwise fits a negative cost that
+        extrapolates to negative times): features whose coefficient comes out negative are
+        dropped and the rest refitted, until none is. Records the fit's mean and worst
+        relative error."""
         x = np.asarray([s.features() for s in shapes], dtype=np.float64)
         y = np.asarray(seconds, dtype=np.float64)
-        w = 1.0 / y
-        coef = np.zeros(x.shape[1])
-        active = np.ones(x.shape[1], dtype=bool)
-        while active.any():
-            sub, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
-            coef[:] = 0.0
-            coef[active] = sub
-            if (sub >= 0).all():
-                break
-            active[np.flatnonzero(active)[sub < 0]] = False
+        coef = _nonnegative_lstsq(x, y, 1.0 / y)
+        for _ in range(IRLS_ROUNDS):
+            # Weight each step by 1 / sqrt(its relative error): least squares then
+            # minimizes the sum of relative errors (their floor keeps exact fits finite).
+            rel = np.abs(x @ coef - y) / y
+            coef = _nonnegative_lstsq(x, y, 1.0 / (y * np.sqrt(np.maximum(rel, IRLS_FLOOR))))
         model = cls(tuple(float(c) for c in coef), meta=dict(meta or {}))
         predicted = np.asarray([model.step_seconds(s) for s in shapes])
         rel = np.abs(predicted - y) / y
@@ -150,6 +165,27 @@ class LinearCost:
             "floor_s": self.floor_s,
             "meta": self.meta or {},
         }
+
+
+# LinearCost.fit's reweighting rounds, and the relative error below which a step's weight
+# stops growing.
+IRLS_ROUNDS = 30
+IRLS_FLOOR = 1e-4
+
+
+def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """argmin ||w · (x c − y)|| over c ≥ 0, by dropping the features whose coefficient
+    comes out negative and refitting the rest until none is."""
+    coef = np.zeros(x.shape[1])
+    active = np.ones(x.shape[1], dtype=bool)
+    while active.any():
+        sub, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
+        coef[:] = 0.0
+        coef[active] = sub
+        if (sub >= 0).all():
+            break
+        active[np.flatnonzero(active)[sub < 0]] = False
+    return coef
 
 
 def _interpolate(x: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
@@ -415,11 +451,14 @@ def load_cost_model(path: str | Path) -> CalibratedCost:
 
 
 def _linear_of(path: str | Path, data: dict[str, Any]) -> LinearCost:
-    if data.get("kind") != "linear" or list(data.get("features", [])) != list(FEATURES):
+    features = list(data.get("features", []))
+    # An earlier file's features are a prefix of today's (see FEATURES).
+    if data.get("kind") != "linear" or not features or features != list(FEATURES[: len(features)]):
         raise ValueError(
             f"{path}: not a calibrated cost model (a table, or linear over {FEATURES})"
         )
-    return LinearCost(tuple(data["coefficients"]), float(data["floor_s"]), data.get("meta"))
+    coefficients = [*data["coefficients"], *[0.0] * (len(FEATURES) - len(features))]
+    return LinearCost(tuple(coefficients), float(data["floor_s"]), data.get("meta"))
 
 
 def spec_as_dict(spec: HardwareSpec) -> dict[str, Any]:
