@@ -27,6 +27,8 @@ from rsgl.layers.cpu_kernels import (
     load_cpu_kernels,
 )
 from rsgl.layers.quant_linear import (
+    BF16_DOT_ENV,
+    BF16_DOT_MAX_ROWS,
     DEFAULT_MAX_ROWS,
     INT8_ACTIVATIONS_MAX_ROWS,
     INTERLEAVED_INT8_MAX_ROWS,
@@ -36,6 +38,7 @@ from rsgl.layers.quant_linear import (
     LowBitWeight,
     QuantLinear,
     low_bit_max_rows,
+    uses_bf16_dot,
 )
 from rsgl.models.gguf_weights import (
     hf_name,
@@ -204,6 +207,46 @@ def test_bfloat16_activations_round_once(kernels: CpuKernels) -> None:
     # float32 sum sits on a bfloat16 rounding boundary (at most one bfloat16 ulp off).
     ulp = want.float().abs() * 2.0**-7
     assert ((got.float() - want.float()).abs() <= ulp + 1e-30).all()
+
+
+@pytest.mark.parametrize("fmt", list(QUANT_FORMATS))
+@pytest.mark.parametrize("cols", [256, 32 * 67])
+def test_bfloat16_dots_multiply_the_exact_weights(kernels: CpuKernels, fmt: str, cols: int) -> None:
+    # AVX512-BF16's kernel where the build has it, else its plain C loops: either way the
+    # file's weights times the bfloat16 rows, summed in float32 and rounded once.
+    blocks, dense = _random_blocks(fmt, 67, cols, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(21, cols, generator=gen)
+    x[3, :32] = 0.0
+    x[4, 40] = 1e4  # one block dominated by one value
+    x[6, -1] = -1e4
+    x = x.bfloat16()
+    packed = kernels.pack_a8(blocks, fmt)
+    got = kernels.qlinear_x8b(x, packed, fmt, 67)
+    assert got.shape == (21, 67) and got.dtype == torch.bfloat16
+    exact = x.double() @ dense.double().T
+    magnitudes = x.double().abs() @ dense.double().abs().T
+    # Within float32 summation error of the exact product before the one rounding; a sum of
+    # d * dot and m * sum(x) cancels where m is large against the weights, so the bound is
+    # on the magnitudes summed, including the offsets' (|m| * sum |x|).
+    offsets = x.double().abs() @ (dense.double().abs().T + dense.double().abs().amax(1))
+    bound = exact.abs() * 2.0**-8 + 1e-6 * cols * (magnitudes + offsets) + 1e-30
+    assert ((got.double() - exact).abs() <= bound).all()
+    # Mostly it is the exact product's rounding.
+    assert (got == exact.to(torch.bfloat16)).float().mean() > 0.9
+    # One order per row whatever the batch (tiles of up to 8 rows share a pass).
+    for start, stop in ((0, 1), (4, 5), (20, 21), (0, 3), (2, 9), (0, 8), (1, 9), (5, 17), (3, 21)):
+        part = kernels.qlinear_x8b(x[start:stop].contiguous(), packed, fmt, 67)
+        assert torch.equal(part, got[start:stop]), (start, stop)
+    assert kernels.qlinear_x8b(x[:0], packed, fmt, 67).shape == (0, 67)
+    # As a model holds it: the blocks interleaved when the projection is installed.
+    weight = GGUFBlocks(kernels, fmt, blocks, bf16_dot=True).serving_form()
+    assert isinstance(weight, InterleavedBlocks) and not weight.int8_activations
+    assert torch.equal(weight.matmul(x), got)
+    ids = torch.tensor([66, 0, 7, 8])
+    assert torch.equal(weight.rows(ids), kernels.dequant_rows(blocks, fmt, ids))
+    with pytest.raises(ValueError, match="bfloat16"):
+        kernels.qlinear_x8b(x.float(), packed, fmt, 67)
 
 
 def test_bad_operands_are_named(kernels: CpuKernels) -> None:
@@ -661,8 +704,8 @@ def test_every_form_multiplies_the_same_weights_in_one_order_per_row(
     assert weight.matmul(x[:0]).shape == (0, rows)
 
 
-def test_the_blocks_serve_each_cpus_rows() -> None:
-    avx2 = SimpleNamespace(isa=("avx2", "fma", "f16c"))
+def test_the_blocks_serve_each_cpus_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    avx2 = SimpleNamespace(isa=("avx2", "fma", "f16c"), x8b_native=False)
     for dtype in (torch.float32, torch.bfloat16):
         assert low_bit_max_rows(avx2, dtype) == DEFAULT_MAX_ROWS  # type: ignore[arg-type]
     a8 = low_bit_max_rows(avx2, torch.float32, int8_activations=True)  # type: ignore[arg-type]
@@ -671,9 +714,9 @@ def test_the_blocks_serve_each_cpus_rows() -> None:
     # AVX2 their kernels are plain C and keep the limit.
     blocks = low_bit_max_rows(avx2, torch.float32, True, interleaved=True)  # type: ignore[arg-type]
     assert blocks == INTERLEAVED_INT8_MAX_ROWS
-    plain = SimpleNamespace(isa=("sse2",))
+    plain = SimpleNamespace(isa=("sse2",), x8b_native=False)
     assert low_bit_max_rows(plain, torch.float32, True, True) == INT8_ACTIVATIONS_MAX_ROWS  # type: ignore[arg-type]
-    avx512 = SimpleNamespace(isa=("avx2", "fma", "f16c", "avx512f"))
+    avx512 = SimpleNamespace(isa=("avx2", "fma", "f16c", "avx512f"), x8b_native=False)
     assert low_bit_max_rows(avx512, torch.float32) == 32  # type: ignore[arg-type]
     assert low_bit_max_rows(avx512, torch.bfloat16) == 12  # type: ignore[arg-type]
     # With AVX-512 the interleaved blocks still serve every float32 batch; bfloat16's dense
@@ -681,3 +724,13 @@ def test_the_blocks_serve_each_cpus_rows() -> None:
     for dtype, rows in ((torch.float32, INTERLEAVED_INT8_MAX_ROWS), (torch.bfloat16, 64)):
         assert low_bit_max_rows(avx512, dtype, True, interleaved=True) == rows  # type: ignore[arg-type]
     assert low_bit_max_rows(avx512, torch.float32, True) == 32  # type: ignore[arg-type]
+    # With AVX512-BF16, GGUF's blocks multiply bfloat16 rows by its dot products (interleaved)
+    # up to 64 rows, float32 ones as before; RSGL_BF16_DOT=0 keeps them on the float32 kernels.
+    bf16 = SimpleNamespace(isa=("avx2", "fma", "f16c", "avx512f", "avx512_bf16"), x8b_native=True)
+    assert uses_bf16_dot(bf16, torch.bfloat16) and not uses_bf16_dot(bf16, torch.float32)  # type: ignore[arg-type]
+    assert not uses_bf16_dot(avx512, torch.bfloat16)  # type: ignore[arg-type]
+    assert low_bit_max_rows(bf16, torch.bfloat16, interleaved=True) == BF16_DOT_MAX_ROWS  # type: ignore[arg-type]
+    assert low_bit_max_rows(bf16, torch.float32, interleaved=True) == 32  # type: ignore[arg-type]
+    monkeypatch.setenv(BF16_DOT_ENV, "0")
+    assert not uses_bf16_dot(bf16, torch.bfloat16)  # type: ignore[arg-type]
+    assert low_bit_max_rows(bf16, torch.bfloat16, interleaved=True) == 12  # type: ignore[arg-type]

@@ -447,6 +447,17 @@ static void x8_copy(int fmt, uint8_t* file, int64_t K, uint8_t* x8, const int64_
     }
 }
 
+/* Quant e (0 .. 31) of row j in interleaved block p, and the row's scale and offset (the plain
+   C loops' reads). */
+static inline int x8_quant(int fmt, const uint8_t* p, int j, int e) {
+    const uint8_t b = p[x8_quant_offset(fmt, j, fmt == Q8_0 ? e : e % 16)];
+    return fmt == Q8_0 ? (int8_t)b : e < 16 ? b & 15 : b >> 4;
+}
+static inline void x8_params(int fmt, const uint8_t* p, int j, float* d, float* m) {
+    *d = f16_to_f32(load_u16(p + 2 * j));
+    *m = fmt == Q4_1 ? f16_to_f32(load_u16(p + 16 + 2 * j)) : fmt == Q4_0 ? -8.f * *d : 0.f;
+}
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 /* AVX512-VNNI's dpbusd multiplies the bytes and adds each lane's four products to its 32-bit
    sum in one instruction, where AVX2 takes maddubs, madd and an add; the sums are the same
@@ -580,14 +591,9 @@ static inline void x8_rows(const int fmt, const uint8_t* grp, int64_t nb, const 
                 const uint8_t* p = grp + k * xb;
                 const int8_t* qx = q + r * K + k * QK;
                 int32_t dot = 0;
-                for (int e = 0; e < QK; e++) {
-                    const int t = fmt == Q8_0 ? e : e % 16;
-                    const uint8_t b = p[x8_quant_offset(fmt, j, t)];
-                    const int wq = fmt == Q8_0 ? (int8_t)b : e < 16 ? b & 15 : b >> 4;
-                    dot += wq * qx[e];
-                }
-                const float d = f16_to_f32(load_u16(p + 2 * j));
-                const float m = fmt == Q4_1 ? f16_to_f32(load_u16(p + 16 + 2 * j)) : -8.f * d;
+                for (int e = 0; e < QK; e++) dot += x8_quant(fmt, p, j, e) * qx[e];
+                float d, m;
+                x8_params(fmt, p, j, &d, &m);
                 const float* dsr = ds + r * 2 * nb + 2 * k;
                 acc += (float)dot * (d * dsr[0]);
                 if (fmt != Q8_0) acc += m * dsr[1];
@@ -669,3 +675,201 @@ void rsgl_qlinear_group_a8_bf16(int bits, const uint16_t* x, int64_t M, int64_t 
     const QMat a = group_mat(bits, w, scales, mins, K, group);
     qlinear_a8_bf16(qlinear_a8_f32, &a, x, M, K, N, y, threads);
 }
+
+/* ------------------------------------------------------------------------------------------
+   bfloat16 activations times the interleaved blocks with the weights exact (`--quantization
+   gguf` in bfloat16 where the CPU has AVX512-BF16): the file's numbers, as quant.c rebuilds
+   them, but no weight is rebuilt in float32. AVX512-BF16's VDPBF16PS multiplies 32 bfloat16
+   pairs a register, each product exact in float32, and adds them in pairs into 16 float32
+   lanes. A block's quants are small integers, exact in bfloat16 (a nibble through a 16-entry
+   table, Q8_0's bytes through float32), and its scale and offset apply once per block:
+
+       sum(w * x) = d * sum(q * x) + m * sum(x)     (Q4_0: m = -8 d; Q8_0: m = 0).
+
+   Register g of a block holds rows 0-7's quants 4g .. 4g + 3 (elements 4g .. 4g + 3, and for
+   nibbles 16 + 4g .. 19 + 4g in the high halves). Widened to 16-bit words it is 16 lanes of
+   two products, lanes 2j and 2j + 1 row j's, against x[4g .. 4g + 3] broadcast (one 64-bit
+   load). Each (row of x, weight row) is summed in one order whatever the batch: per block
+   its dot in the two lanes, acc = fma(dot, d, acc), then acc = fma(m, sum(x), acc) in the
+   even lane; the two lanes added last. sum(x) is each row's, per block, in a fixed order. */
+
+/* Each row of x[M, K] (bfloat16) summed per block of 32: sx[r * nb + b], in float32, in one
+   order (pairs, then a tree), whatever M. */
+static void block_sums_bf16(const uint16_t* x, int64_t M, int64_t K, float* sx) {
+    const int64_t nb = K / QK;
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const uint16_t* xb = x + r * K + b * QK;
+            float s[16];
+            for (int i = 0; i < 16; i++) s[i] = bf16_to_f32(xb[i]) + bf16_to_f32(xb[16 + i]);
+            for (int w = 8; w >= 1; w /= 2)
+                for (int i = 0; i < w; i++) s[i] += s[i + w];
+            sx[r * nb + b] = s[0];
+        }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__F16C__)
+#define X8B_NATIVE 1
+/* Rows of x a tile shares a pass over a group's blocks with: each row's dot and accumulator
+   in registers (16 of the 32), the block's words in 2 more. */
+#define X8B_ROWS 8
+
+/* The bfloat16 bits of 0 .. 15 (words 16 .. 31 unused). */
+static const uint16_t nibble_bf16[32] = {0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0,
+                                         0x40c0, 0x40e0, 0x4100, 0x4110, 0x4120, 0x4130,
+                                         0x4140, 0x4150, 0x4160, 0x4170};
+
+static inline __m512i bcast_x4(const uint16_t* p) {
+    int64_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm512_set1_epi64(v);
+}
+
+static inline __attribute__((always_inline)) void x8b_tile(const int fmt, const uint8_t* grp,
+                                                           int64_t nb, const uint16_t* x,
+                                                           const float* sx, const int R,
+                                                           float* out) {
+    const int64_t xb = x8_block_bytes(fmt), hb = x8_header_bytes(fmt), K = nb * QK;
+    const __m512i table = _mm512_loadu_si512(nibble_bf16);
+    const __m256i low = _mm256_set1_epi8(15);
+    /* lane 2j and 2j + 1 <- row j */
+    const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    __m512 acc[X8B_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < nb; k++) {
+        const uint8_t* p = grp + k * xb;
+        for (int64_t c = 0; c < xb; c += 64) _mm_prefetch((const char*)p + 4096 + c, _MM_HINT_T0);
+        __m512 s[X8B_ROWS];
+        for (int r = 0; r < R; r++) s[r] = _mm512_setzero_ps();
+        if (fmt == Q8_0) {
+            for (int g = 0; g < 8; g++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i*)(p + hb + 32 * g));
+                const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+                const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+                const __m512bh w = _mm512_cvtne2ps_pbh(hi, lo);
+                for (int r = 0; r < R; r++)
+                    s[r] = _mm512_dpbf16_ps(s[r], w, (__m512bh)bcast_x4(x + r * K + k * QK + 4 * g));
+            }
+        } else {
+            for (int g = 0; g < 4; g++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i*)(p + hb + 32 * g));
+                const __m256i lo = _mm256_and_si256(v, low);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                const __m512bh wl = (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(lo), table);
+                const __m512bh wh = (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(hi), table);
+                for (int r = 0; r < R; r++) {
+                    const uint16_t* xr = x + r * K + k * QK;
+                    s[r] = _mm512_dpbf16_ps(s[r], wl, (__m512bh)bcast_x4(xr + 4 * g));
+                    s[r] = _mm512_dpbf16_ps(s[r], wh, (__m512bh)bcast_x4(xr + 16 + 4 * g));
+                }
+            }
+        }
+        const __m512 d8 = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)));
+        const __m512 d = _mm512_permutexvar_ps(pairs, d8);
+        for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(s[r], d, acc[r]);
+        if (fmt != Q8_0) {
+            const __m512 m8 =
+                fmt == Q4_1
+                    ? _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16))))
+                    : _mm512_mul_ps(d8, _mm512_set1_ps(-8.f));
+            const __m512 m = _mm512_maskz_permutexvar_ps(0x5555, pairs, m8);
+            for (int r = 0; r < R; r++)
+                acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * nb + k]), acc[r]);
+        }
+    }
+    const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
+    const __m512i odds = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (int r = 0; r < R; r++) {
+        const __m512 sum = _mm512_add_ps(_mm512_permutexvar_ps(evens, acc[r]),
+                                         _mm512_permutexvar_ps(odds, acc[r]));
+        _mm256_storeu_ps(out + 8 * r, _mm512_castps512_ps256(sum));
+    }
+}
+
+static inline __attribute__((always_inline)) void x8b_rows(const int fmt, const uint8_t* grp,
+                                                           int64_t nb, const uint16_t* x,
+                                                           const float* sx, int64_t R,
+                                                           float* out) {
+    switch (R) {
+        case 1: x8b_tile(fmt, grp, nb, x, sx, 1, out); break;
+        case 2: x8b_tile(fmt, grp, nb, x, sx, 2, out); break;
+        case 3: x8b_tile(fmt, grp, nb, x, sx, 3, out); break;
+        case 4: x8b_tile(fmt, grp, nb, x, sx, 4, out); break;
+        case 5: x8b_tile(fmt, grp, nb, x, sx, 5, out); break;
+        case 6: x8b_tile(fmt, grp, nb, x, sx, 6, out); break;
+        case 7: x8b_tile(fmt, grp, nb, x, sx, 7, out); break;
+        default: x8b_tile(fmt, grp, nb, x, sx, X8B_ROWS, out); break;
+    }
+}
+#else
+#define X8B_NATIVE 0
+#define X8B_ROWS 4 /* (any number of rows would do here) */
+
+/* The same sums in plain C, lane by lane (each block's dot in element order), so a machine
+   without AVX512-BF16 computes the product it defines, to float32 rounding. */
+static inline void x8b_rows(const int fmt, const uint8_t* grp, int64_t nb, const uint16_t* x,
+                            const float* sx, int64_t R, float* out) {
+    const int64_t xb = x8_block_bytes(fmt), K = nb * QK;
+    for (int64_t r = 0; r < R; r++)
+        for (int j = 0; j < 8; j++) {
+            float acc = 0.f;
+            for (int64_t k = 0; k < nb; k++) {
+                const uint8_t* p = grp + k * xb;
+                const uint16_t* xr = x + r * K + k * QK;
+                float dot = 0.f, d, m;
+                for (int e = 0; e < QK; e++) dot += (float)x8_quant(fmt, p, j, e) * bf16_to_f32(xr[e]);
+                x8_params(fmt, p, j, &d, &m);
+                acc += dot * d;
+                if (fmt != Q8_0) acc += m * sx[r * nb + k];
+            }
+            out[8 * r + j] = acc;
+        }
+}
+#endif
+
+/* `a`: gguf_mat over the interleaved bytes (its fmt and w; rows are groups of 8 here). */
+static void qlinear_x8b(const QMat* a, const uint16_t* x, int64_t M, int64_t K, int64_t N,
+                        uint16_t* y, int threads) {
+    if (M <= 0) return;
+    const int fmt = a->fmt;
+    const uint8_t* w = a->w;
+    const int64_t nb = K / QK, groups = (N + 7) / 8, gb = nb * x8_block_bytes(fmt);
+    float* sx = (float*)malloc((size_t)(M * nb + 1) * sizeof(float));
+    if (!sx) abort();
+    block_sums_bf16(x, M, K, sx);
+#pragma omp parallel for num_threads(threads) schedule(static) \
+    if (threads > 1 && N * M * K >= 65536)
+    for (int64_t G = 0; G < groups; G++) {
+        const int64_t lanes = N - 8 * G < 8 ? N - 8 * G : 8;
+        for (int64_t r = 0; r < M; r += X8B_ROWS) {
+            const int64_t R = M - r < X8B_ROWS ? M - r : X8B_ROWS;
+            float out[8 * X8B_ROWS];
+            const uint16_t* xr = x + r * K;
+            const float* sr = sx + r * nb;
+            switch (fmt) { /* one instance per format */
+                case Q4_0: x8b_rows(Q4_0, w + G * gb, nb, xr, sr, R, out); break;
+                case Q4_1: x8b_rows(Q4_1, w + G * gb, nb, xr, sr, R, out); break;
+                default: x8b_rows(Q8_0, w + G * gb, nb, xr, sr, R, out); break;
+            }
+            for (int64_t i = 0; i < R; i++)
+                for (int64_t j = 0; j < lanes; j++) bf16_store(y, (r + i) * N + 8 * G + j, out[8 * i + j]);
+        }
+    }
+    free(sx);
+}
+
+/* Whether the kernels below run on AVX512-BF16 (else in plain C, far slower: the loader
+   picks them only where they do). */
+int rsgl_x8b_native(void) { return X8B_NATIVE; }
+
+#define X8B_FORMAT(name, fmt)                                                                  \
+    void rsgl_qlinear_##name##_x8b_bf16(const uint16_t* x, int64_t M, int64_t K,               \
+                                        const uint8_t* w, int64_t N, uint16_t* y, int threads) { \
+        const QMat a = gguf_mat(fmt, w, K);                                                    \
+        qlinear_x8b(&a, x, M, K, N, y, threads);                                               \
+    }
+
+X8B_FORMAT(q4_0, Q4_0)
+X8B_FORMAT(q4_1, Q4_1)
+X8B_FORMAT(q8_0, Q8_0)

@@ -245,6 +245,9 @@ class CpuKernels:
         self._packed_a8_bytes: dict[str, Any] = {}
         self._pack_a8: dict[str, Any] = {}
         self._unpack_rows_a8: dict[str, Any] = {}
+        # Per GGUF format: bfloat16 activations times the interleaved blocks, the weights
+        # exact (quant_a8.c's AVX512-BF16 kernels; plain C where the build lacks them).
+        self._qlinear_x8b: dict[str, Any] = {}
         for fmt, (name, _) in QUANT_FORMATS.items():
             self._packed_a8_bytes[fmt] = getattr(lib, f"rsgl_packed_a8_bytes_{name}")
             self._packed_a8_bytes[fmt].argtypes = [i64, i64]
@@ -258,6 +261,8 @@ class CpuKernels:
                     qlinear = getattr(lib, f"rsgl_qlinear_{name}{infix}_{suffix}")
                     qlinear.argtypes = [ptr, i64, i64, ptr, i64, ptr, i32]
                     self._qlinear[fmt, act, a8] = qlinear
+            self._qlinear_x8b[fmt] = getattr(lib, f"rsgl_qlinear_{name}_x8b_bf16")
+            self._qlinear_x8b[fmt].argtypes = [ptr, i64, i64, ptr, i64, ptr, i32]
             self._dequant_rows[fmt] = getattr(lib, f"rsgl_dequant_rows_{name}")
             self._dequant_rows[fmt].argtypes = [ptr, i64, ptr, i64, ptr]
         # Weights quantized at load time: one entry per activation dtype and int8 activations
@@ -281,6 +286,10 @@ class CpuKernels:
         self._decode_stack.restype = ctypes.c_int
         self._bind = lib.rsgl_bind_omp_threads
         self._bind.argtypes, self._bind.restype = [ptr, i32], ctypes.c_int
+        native = lib.rsgl_x8b_native
+        native.argtypes, native.restype = [], ctypes.c_int
+        # Whether `qlinear_x8b` runs on AVX512-BF16's dot products (else in plain C).
+        self.x8b_native = bool(native())
         isa = lib.rsgl_kernel_isa
         isa.argtypes, isa.restype = [], ctypes.c_char_p
         # The instruction sets the kernels were compiled for (which of their paths run).
@@ -293,6 +302,7 @@ class CpuKernels:
             *self._rotary.values(),
             *self._argmax.values(),
             *self._qlinear.values(),
+            *self._qlinear_x8b.values(),
             *self._dequant_rows.values(),
             *self._qlinear_group.values(),
             self._dequant_rows_group,
@@ -308,12 +318,21 @@ class CpuKernels:
         return tuple(_address(fn) for fn in fns)  # type: ignore[return-value]
 
     def qlinear_address(
-        self, fmt: str | None, act: torch.dtype, int8_activations: bool = False
+        self,
+        fmt: str | None,
+        act: torch.dtype,
+        int8_activations: bool = False,
+        interleaved: bool = False,
     ) -> int:
         """The projection kernel over GGUF blocks of `fmt` (None: over load-time groups),
-        exact or with `int8_activations` (GGUF's: over the blocks `pack_a8` interleaved)."""
+        exact or with `int8_activations` (GGUF's: over the blocks `pack_a8` interleaved);
+        exact over the `interleaved` blocks: `qlinear_x8b`'s (bfloat16 only)."""
         if fmt is None:
             return _address(self._qlinear_group[act, int8_activations])
+        if interleaved and not int8_activations:
+            if act != torch.bfloat16:
+                raise ValueError("the interleaved blocks' exact kernel takes bfloat16 rows")
+            return _address(self._qlinear_x8b[fmt])
         return _address(self._qlinear[fmt, act, int8_activations])
 
     def decode_stack(
@@ -597,6 +616,19 @@ class CpuKernels:
             raise ValueError(f"qlinear_a8: x must be [M, K], K a multiple of {QUANT_BLOCK}")
         self._check_packed(packed, fmt, rows, x.shape[1])
         return self._run_qlinear(self._qlinear[fmt, act, True], x, packed, rows, x.shape[1])
+
+    def qlinear_x8b(
+        self, x: torch.Tensor, packed: torch.Tensor, fmt: str, rows: int
+    ) -> torch.Tensor:
+        """x [M, K] bfloat16 times W^T for W's GGUF blocks as `pack_a8` interleaved them
+        (`rows` weight rows), the weights exact: per block d * sum(q * x) + m * sum(x), the
+        quants' products with x exact in float32 (quant_a8.c). Returns [M, rows] bfloat16."""
+        if _check(x) != torch.bfloat16 or x.dim() != 2 or x.shape[1] % QUANT_BLOCK:
+            raise ValueError(
+                f"qlinear_x8b: x must be bfloat16 [M, K], K a multiple of {QUANT_BLOCK}"
+            )
+        self._check_packed(packed, fmt, rows, x.shape[1])
+        return self._run_qlinear(self._qlinear_x8b[fmt], x, packed, rows, x.shape[1])
 
     def unpack_rows_a8(
         self, packed: torch.Tensor, fmt: str, rows: int, k: int, ids: torch.Tensor

@@ -177,8 +177,10 @@ class DecodeStack:
     def _proj(self, weight: LowBitWeight) -> _Proj:
         n, k = weight.shape
         if isinstance(weight, (GGUFBlocks, InterleavedBlocks)):
-            weight = weight.serving_form()  # what its kernel reads: int8 ones interleaved
-            fn = self.kernels.qlinear_address(weight.fmt, self.act, weight.int8_activations)
+            weight = weight.serving_form()  # what its kernel reads (interleaved or not)
+            fn = self.kernels.qlinear_address(
+                weight.fmt, self.act, weight.int8_activations, isinstance(weight, InterleavedBlocks)
+            )
             return _Proj(fn, None, self._hold(weight.data), None, None, k, n, k, 0)
         assert isinstance(weight, GroupQuantized)
         fn = self.kernels.qlinear_address(None, self.act, weight.int8_activations)

@@ -11,7 +11,10 @@ float32 model's; int8 / int4 change the weights (measured by `rsgl bench quality
 `--quantization gguf_a8` keeps the file's blocks but quantizes the activations to int8 per
 block of 32, as llama.cpp does for Q4_0, Q4_1 and Q8_0 (`csrc/quant_a8.c`; the K-quants'
 groups too, where llama.cpp takes blocks of 256): integer dot products instead of
-rebuilt float32 weights, not the float32 model's logits.
+rebuilt float32 weights, not the float32 model's logits. A bfloat16 model on a CPU with
+AVX512-BF16 multiplies GGUF's blocks by its dot products instead (`uses_bf16_dot`,
+`CpuKernels.qlinear_x8b`): the quants are small integers, exact in bfloat16, so the weights
+stay the file's and only the summation order changes; no weight is rebuilt in float32.
 
 Decode batches are bound by memory traffic; large ones (prefill chunks, mixed steps) by
 arithmetic, where oneDNN's GEMM over a dense copy of the same (dequantized) values is
@@ -21,6 +24,7 @@ the low-bit form for up to `max_rows` rows, the dense copy above.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +65,28 @@ INTERLEAVED_INT8_MAX_ROWS = 1 << 30
 # the dense copy's prefill of 8,192 rows 1.4x faster. (Not measured on AMX.)
 INTERLEAVED_INT8_BF16_AVX512_MAX_ROWS = 64
 
+# Rows of bfloat16 activations up to which GGUF's blocks, interleaved, are multiplied by
+# AVX512-BF16's dot products (`uses_bf16_dot`) rather than the dense copy. SmolLM2's decode
+# steps on a 2-core Zen 4 (`rsgl bench one-batch --dtype bfloat16 --input-len 100
+# --output-len 32 --low-bit-max-rows 64 / 16`, ms a step, two alternated runs, blocks vs the
+# dense copy on AVX512-BF16 through oneDNN): 35.8 / 39.1 vs 42.4 / 42.2 at 32 rows, 53.0 /
+# 57.7 vs 57.3 / 65.4 at 48, 69.8 / 73.5 vs 69.6 / 74.1 at 64; one layer's products and the
+# LM head alone, 16.7 vs 15.0 ms at 80 rows.
+BF16_DOT_MAX_ROWS = 64
+
+# `RSGL_BF16_DOT=0` keeps the exact blocks of bfloat16 models on the float32 kernels (quant.c)
+# where AVX512-BF16 would serve them: the comparison `uses_bf16_dot`'s figures come from.
+BF16_DOT_ENV = "RSGL_BF16_DOT"
+
+
+def uses_bf16_dot(kernels: CpuKernels, dtype: torch.dtype) -> bool:
+    """Whether GGUF's blocks (the exact weights, `--quantization gguf`) multiply `dtype`
+    activations through AVX512-BF16's dot products (`CpuKernels.qlinear_x8b`): for bfloat16
+    where the kernels run them natively, unless `RSGL_BF16_DOT=0`."""
+    return (
+        dtype == torch.bfloat16 and kernels.x8b_native and os.environ.get(BF16_DOT_ENV, "1") != "0"
+    )
+
 
 def low_bit_max_rows(
     kernels: CpuKernels,
@@ -81,8 +107,11 @@ def low_bit_max_rows(
     activations over load-time groups (no AVX-512 form) keep the exact kernels' limits
     there; over GGUF's interleaved blocks (AVX512-VNNI's dot products where the CPU has
     them) they serve every float32 batch wherever AVX2 runs, and 64 rows of bfloat16 with
-    AVX-512 (the constants above)."""
+    AVX-512 (the constants above). Bfloat16 rows over GGUF's blocks through AVX512-BF16's
+    dot products (`uses_bf16_dot`) serve up to `BF16_DOT_MAX_ROWS`."""
     avx512 = "avx512f" in kernels.isa
+    if not int8_activations and interleaved and uses_bf16_dot(kernels, dtype):
+        return BF16_DOT_MAX_ROWS
     if int8_activations and interleaved and "avx2" in kernels.isa:
         if dtype == torch.float32 or not avx512:
             return INTERLEAVED_INT8_MAX_ROWS
@@ -96,13 +125,16 @@ def low_bit_max_rows(
 class GGUFBlocks:
     """A weight matrix as GGUF blocks: uint8 [rows, K / 32 * block bytes] of `fmt`,
     multiplied by float activations as they are, or quantized to int8 first
-    (`int8_activations`, `--quantization gguf_a8`), which read the blocks interleaved
-    (`serving_form`: a projection is split and stacked in the file's layout first)."""
+    (`int8_activations`, `--quantization gguf_a8`), or by bfloat16 activations through
+    AVX512-BF16's dot products (`bf16_dot`, `uses_bf16_dot`); the last two read the blocks
+    interleaved (`serving_form`: a projection is split and stacked in the file's layout
+    first)."""
 
     kernels: CpuKernels
     fmt: str
     data: torch.Tensor
     int8_activations: bool = False
+    bf16_dot: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -113,16 +145,16 @@ class GGUFBlocks:
         return int(self.data.numel())
 
     def serving_form(self) -> GGUFBlocks | InterleavedBlocks:
-        """The form the kernels multiply: these blocks, or with `int8_activations` the same
-        bytes interleaved by eight weight rows (`InterleavedBlocks`)."""
-        if not self.int8_activations:
+        """The form the kernels multiply: these blocks, or with `int8_activations` or
+        `bf16_dot` the same bytes interleaved by eight weight rows (`InterleavedBlocks`)."""
+        if not (self.int8_activations or self.bf16_dot):
             return self
         rows, k = self.shape
         packed = self.kernels.pack_a8(self.data, self.fmt)
-        return InterleavedBlocks(self.kernels, self.fmt, packed, rows, k)
+        return InterleavedBlocks(self.kernels, self.fmt, packed, rows, k, self.int8_activations)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int8_activations:  # interleaves the blocks for this one product
+        if self.int8_activations or self.bf16_dot:  # interleaves them for this one product
             return self.serving_form().matmul(x)
         return self.kernels.qlinear(x, self.data, self.fmt)
 
@@ -134,9 +166,11 @@ class GGUFBlocks:
 class InterleavedBlocks:
     """GGUF blocks of `fmt` interleaved by eight weight rows (`CpuKernels.pack_a8`: uint8
     [ceil(rows / 8), ...]), multiplied by activations quantized to int8 per block of 32
-    (`--quantization gguf_a8`). A register's 8 lanes are 8 weight rows, so a block's
-    scales are one load and no sum crosses lanes: SmolLM2's batch-1 products ran 1.35-1.5x
-    faster than over the file's layout on a 2-core Zen 3, at the memory bandwidth."""
+    (`int8_activations`, `--quantization gguf_a8`), or else by bfloat16 activations as they
+    are, the weights exact (`CpuKernels.qlinear_x8b`). A register's 8 lanes are 8 weight
+    rows (16 lanes, two per row, for bfloat16), so a block's scales are one load and no sum
+    crosses rows: SmolLM2's batch-1 int8 products ran 1.35-1.5x faster than over the file's
+    layout on a 2-core Zen 3, at the memory bandwidth."""
 
     kernels: CpuKernels
     fmt: str
@@ -157,7 +191,9 @@ class InterleavedBlocks:
         return self
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.qlinear_a8(x, self.data, self.fmt, self.out_rows)
+        if self.int8_activations:
+            return self.kernels.qlinear_a8(x, self.data, self.fmt, self.out_rows)
+        return self.kernels.qlinear_x8b(x, self.data, self.fmt, self.out_rows)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         blocks = self.kernels.unpack_rows_a8(
@@ -280,7 +316,8 @@ class QuantLinear(nn.Module):
         if isinstance(w, GGUFBlocks):
             kind = w.fmt
         elif isinstance(w, InterleavedBlocks):
-            kind = f"{w.fmt} interleaved, int8 activations"
+            acts = "int8" if w.int8_activations else "bfloat16"
+            kind = f"{w.fmt} interleaved, {acts} activations"
         else:
             minimums = ", with minimums" if w.bits == 8 and w.mins is not None else ""
             kind = f"int{w.bits}, group {w.group}{minimums}"
@@ -325,5 +362,6 @@ __all__ = [
     "QuantLinear",
     "force_low_bit_max_rows",
     "low_bit_max_rows",
+    "uses_bf16_dot",
     "low_bit_rows_of",
 ]

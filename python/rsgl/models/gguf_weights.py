@@ -217,12 +217,14 @@ _K_QUANTS = {"Q3_K": q3_k_groups, "Q4_K": q4_k_groups, "Q5_K": q5_k_groups, "Q6_
 
 
 def read_blocks(
-    path: Path, kernels: CpuKernels, int8_activations: bool = False
+    path: Path, kernels: CpuKernels, int8_activations: bool = False, bf16_dot: bool = False
 ) -> dict[str, LoadedWeight]:
     """Every projection and embedding tensor of `path` stored in a format the kernels read
     (`QUANT_FORMATS`, and Q3_K to Q6_K as groups), by HF name; tensors in other formats are
     left out (they stay dense). `int8_activations`: the products quantize the activations
-    to int8 per block of 32 (`--quantization gguf_a8`), the K-quants' groups' too."""
+    to int8 per block of 32 (`--quantization gguf_a8`), the K-quants' groups' too.
+    `bf16_dot`: GGUF's blocks multiply bfloat16 activations through AVX512-BF16
+    (`GGUFBlocks.bf16_dot`)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
@@ -238,7 +240,8 @@ def read_blocks(
             groups = _K_QUANTS[fmt](kernels, data)
             out[name] = dataclasses.replace(groups, int8_activations=int8_activations)
         else:
-            out[name] = GGUFBlocks(kernels, fmt, torch.from_numpy(data), int8_activations)
+            blocks = torch.from_numpy(data)
+            out[name] = GGUFBlocks(kernels, fmt, blocks, int8_activations, bf16_dot)
     return out
 
 

@@ -19,7 +19,7 @@ import torch
 from rsgl.args import QUANTIZATIONS
 from rsgl.cache_dir import rsgl_cache_dir
 from rsgl.layers.cpu_kernels import load_cpu_kernels
-from rsgl.layers.quant_linear import low_bit_max_rows
+from rsgl.layers.quant_linear import low_bit_max_rows, uses_bf16_dot
 from rsgl.models.config import ModelConfig
 from rsgl.models.gguf_weights import GGUF_MODES, read_blocks
 from rsgl.models.llama import LlamaForCausalLM
@@ -227,7 +227,8 @@ def load_model(
     if chosen in GGUF_MODES:
         assert source is not None and kernels is not None
         int8_activations = chosen == "gguf_a8"
-        blocks = read_blocks(source, kernels, int8_activations=int8_activations)
+        bf16_dot = not int8_activations and uses_bf16_dot(kernels, dtype)
+        blocks = read_blocks(source, kernels, int8_activations, bf16_dot)
         count = net.use_gguf_blocks(
             blocks,
             low_bit_max_rows(kernels, dtype, int8_activations),
