@@ -481,7 +481,9 @@ def test_the_calibrated_table_reads_decode_steps_off_its_grid(tmp_path: Path) ->
 def test_a_calibration_times_every_grid_point_and_prefills_over_a_cached_prefix(
     server: bool,
 ) -> None:
-    engine = EngineArgs(load_format="null", chunked_prefill_size=64)
+    # Steps of 20 ms: with instant ones, a point's first request could finish its decode
+    # before a busy machine's client sent the second, leaving the point no step of both.
+    engine = EngineArgs(load_format="null", chunked_prefill_size=64, null_step_ms=20.0)
     timer = calibrate.time_server_steps if server else calibrate.time_steps
     shapes, seconds, meta = timer(engine, [1, 2], [16, 48])
     assert len(shapes) == len(seconds) and all(t > 0 for t in seconds)
