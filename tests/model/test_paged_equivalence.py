@@ -26,9 +26,29 @@ def _full_prefill_logits(driver: Driver, tokens: list[int], req_slot: int = 0) -
     return out.logits[0].numpy().copy()
 
 
-def test_cached_prefix_extend_matches_full_prefill(driver: Driver) -> None:
+def _extends_through(backend: object, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Extends run as rows of the decode kernel (`rows`, a float32 one this short) or through
+    SDPA (`sdpa`: no extend is short enough for rows)."""
+    assert isinstance(backend, TorchNativeAttnBackend)
+    if path == "rows" and backend.decode_kernel is None:
+        pytest.skip("no C compiler: extends run through SDPA only")
+    monkeypatch.setattr(backend, "token_rows_max_extend", 0 if path == "sdpa" else 64)
+
+
+@pytest.mark.parametrize(
+    ("full_path", "extend_path"), [("rows", "rows"), ("sdpa", "sdpa"), ("sdpa", "rows")]
+)
+def test_cached_prefix_extend_matches_full_prefill(
+    driver: Driver,
+    smol_runner: ModelRunner,
+    monkeypatch: pytest.MonkeyPatch,
+    full_path: str,
+    extend_path: str,
+) -> None:
     tokens = _prompt(1, 40)
+    _extends_through(smol_runner.attn, full_path, monkeypatch)
     full = _full_prefill_logits(driver, tokens, req_slot=0)
+    _extends_through(smol_runner.attn, extend_path, monkeypatch)
     donor = driver.admit(1, tokens[:25])
     driver.run([driver.work(donor, 25)])
     # A new request whose first 25 tokens are already cached (the donor's KV slots, as the

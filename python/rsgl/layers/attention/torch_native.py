@@ -9,6 +9,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from rsgl.cpu_features import cpu_bf16_features
 from rsgl.layers.attention.base import AttentionBackend
 from rsgl.layers.cpu_kernels import ACT_DTYPES, CpuKernels, load_cpu_kernels
 
@@ -18,10 +19,30 @@ if TYPE_CHECKING:
 
 
 # Extends of at most this many tokens each run as rows of the fused decode kernel, one per
-# token (a verify step's last token and drafts, a short prompt or uncached tail): one call
-# for the whole batch instead of one SDPA per request and layer. Each row reads its whole
-# context, so long extends stay with SDPA, which reads it once per request.
-TOKEN_ROWS_MAX_EXTEND = 16
+# token (a verify step's last token and drafts, a prompt or its uncached tail): one call for
+# the whole batch instead of one SDPA per request and layer, and where the rows fit the
+# low-bit weights (`low_bit_max_rows`) the whole step in the C decode stack. Each row reads
+# its whole context, where SDPA reads it once per request, so long float32 extends stay with
+# SDPA. SmolLM2's extend steps on a 2-core AMD EPYC Zen 4 in float32 (in process, ms, medians
+# of five alternated steps, rows vs SDPA): 32 tokens over 256 cached 82.8 vs 89.3, 64 over
+# 512 132.8 vs 135.3, a 64-token prompt 98.7 vs 108.1, 512 tokens 706 vs 696, 2,048 tokens
+# 4,296 vs 3,439; built and run for AVX2 (`RSGL_CPU_FEATURES=avx2`), 64 tokens 113.3 vs
+# 120.9, 256 tokens 375 vs 369.
+TOKEN_ROWS_MAX_EXTEND = 64
+# The same in bfloat16 where AMX does not run torch's SDPA: its SDPA was the slower at every
+# size measured, so every extend runs as rows. On the same Zen 4 (AVX512-BF16): 32 tokens over
+# 1,024 cached 45.4 vs 59.4 ms, 64 over 512 68.3 vs 82.9, 128 over 512 134.8 vs 171.9, a
+# 512-token prompt 371 vs 457, 2,048 tokens over 4,096 cached 6,736 vs 7,679. With AMX
+# (unmeasured) extends keep the limit they had before these figures.
+AMX_BF16_TOKEN_ROWS_MAX_EXTEND = 16
+
+
+def token_rows_max_extend(dtype: torch.dtype, bf16_units: frozenset[str]) -> int | None:
+    """The longest extend that runs as rows of the decode kernel for `dtype` activations on a
+    CPU with `bf16_units` (`cpu_bf16_features`); None: every extend."""
+    if dtype != torch.bfloat16:
+        return TOKEN_ROWS_MAX_EXTEND
+    return AMX_BF16_TOKEN_ROWS_MAX_EXTEND if "amx_bf16" in bf16_units else None
 
 
 @dataclass(slots=True)
@@ -52,11 +73,11 @@ class TorchNativeAttnBackend(AttentionBackend):
     `rsgl.layers.cpu_kernels` (over a float32, float16, bfloat16, fp8 or int8 cache) when
     it can be built, otherwise by gathering every decode request's K/V padded to the longest
     sequence and one masked SDPA. With the kernel, a batch whose extends are all short
-    (`TOKEN_ROWS_MAX_EXTEND`) runs every token as a decode row at sequence length position
-    + 1 (the K and V of a step's tokens are stored before any row attends, so a row sees
-    the tokens before it in its extend). Index tables and masks are built once per step in
-    `prepare`, not per layer. Extends run SDPA in the model's dtype: for bfloat16 its flash
-    kernel accumulates in float32.
+    enough (`token_rows_max_extend`: any length in bfloat16 without AMX) runs every token as
+    a decode row at sequence length position + 1 (the K and V of a step's tokens are stored
+    before any row attends, so a row sees the tokens before it in its extend). Index tables
+    and masks are built once per step in `prepare`, not per layer. Extends run SDPA in the
+    model's dtype: for bfloat16 its flash kernel accumulates in float32.
     """
 
     def __init__(
@@ -88,15 +109,19 @@ class TorchNativeAttnBackend(AttentionBackend):
                 f"and a KV cache dtype the kernels were built for (not {kv_cache.dtype})"
             )
         self.decode_kernel = kernels
+        # The longest extend run as rows of the decode kernel (None: any); 0 runs every
+        # extend through SDPA.
+        self.token_rows_max_extend = token_rows_max_extend(model_dtype, cpu_bf16_features())
 
     def prepare(self, batch: ForwardBatch) -> None:
         table = self.req_to_token.req_to_token
         device = table.device
         ne = batch.num_extends
+        limit = self.token_rows_max_extend
         if (
             ne
             and self.decode_kernel is not None
-            and int(batch.extend_lens_host[:ne].max()) <= TOKEN_ROWS_MAX_EXTEND
+            and (limit is None or int(batch.extend_lens_host[:ne].max()) <= limit)
         ):
             self._check_decode_bounds(batch)
             rows = _TorchNativeMetadata([], 0, batch.token_req_slots(), batch.positions + 1)
