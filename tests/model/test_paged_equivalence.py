@@ -27,12 +27,25 @@ def _full_prefill_logits(driver: Driver, tokens: list[int], req_slot: int = 0) -
 
 
 def _extends_through(backend: object, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Extends run as rows of the decode kernel (`rows`, a float32 one this short) or through
-    SDPA (`sdpa`: no extend is short enough for rows)."""
+    """Extends run as rows of the decode kernel (`rows`: any length) or through SDPA (`sdpa`:
+    none is short enough for rows)."""
     assert isinstance(backend, TorchNativeAttnBackend)
     if path == "rows" and backend.decode_kernel is None:
         pytest.skip("no C compiler: extends run through SDPA only")
-    monkeypatch.setattr(backend, "token_rows_max_extend", 0 if path == "sdpa" else 64)
+    monkeypatch.setattr(backend, "token_rows_max_extend", 0 if path == "sdpa" else None)
+
+
+def _count_sdpa_calls(monkeypatch: pytest.MonkeyPatch) -> list[None]:
+    """One entry per call of torch's SDPA from now on (the path an extend took)."""
+    calls: list[None] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(None)
+        return sdpa(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+    return calls
 
 
 @pytest.mark.parametrize(
@@ -46,8 +59,10 @@ def test_cached_prefix_extend_matches_full_prefill(
     extend_path: str,
 ) -> None:
     tokens = _prompt(1, 40)
+    sdpa_calls = _count_sdpa_calls(monkeypatch)
     _extends_through(smol_runner.attn, full_path, monkeypatch)
     full = _full_prefill_logits(driver, tokens, req_slot=0)
+    assert bool(sdpa_calls) == (full_path == "sdpa")
     _extends_through(smol_runner.attn, extend_path, monkeypatch)
     donor = driver.admit(1, tokens[:25])
     driver.run([driver.work(donor, 25)])
@@ -62,7 +77,9 @@ def test_cached_prefix_extend_matches_full_prefill(
     driver.runner.req_to_token.apply_writes(
         np.full(25, 2), np.arange(25), np.asarray(donor.kv_slots, dtype=np.int64)
     )
+    sdpa_calls.clear()
     out = driver.run([plan_work])
+    assert bool(sdpa_calls) == (extend_path == "sdpa")
     assert out.logits is not None
     np.testing.assert_allclose(out.logits[0].numpy(), full, atol=ATOL, rtol=0)
     assert int(out.next_token_ids[0]) == int(np.argmax(full))
