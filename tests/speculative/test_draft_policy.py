@@ -157,6 +157,30 @@ def test_a_plain_cost_from_another_workload_does_not_keep_a_group_drafting() -> 
     assert limits[-60:].count(0) < 10
 
 
+def test_a_fresh_reach_caps_the_stale_reaches_of_the_drafts_after_it() -> None:
+    # Copying at batch 64: every draft accepted, 4 is the choice. Then free writing, where
+    # one request in 16 accepts one draft, measured by steps at 1 only (tries of plain's
+    # neighbour, after the choice turned within a step or two at 4): they refresh the
+    # first draft's reach, and the reaches of drafts 2-4 stay the copy's. A request
+    # accepts a second draft only if it accepted the first, so no reach can exceed an
+    # earlier one: taken as measured, the stale reaches make 4 cost 1.6 / 4.06 a token,
+    # far below plain's 1.0, and have it chosen (on a 2-core Zen 4, at concurrency 64, 3
+    # steps at 7 drafts after every few tries of 1, each 2.2x a plain step); capped at the
+    # first's (1 in 16, once its average settles), it costs 1.6 / 1.25.
+    policy = DraftPolicy(max_drafts=4, explore_every=8)
+    seconds = {0: 1.0, 1: 1.3, 2: 1.45, 4: 1.6}
+    _steps(policy, 64, accepts=4, n=100, seconds=seconds)
+    assert policy.draft_limit() == 4
+    for _ in range(6 * TRY_STEPS):
+        policy.observe(64, 1, 1.3 * 64, [1] * 4 + [0] * 60)
+    for _ in range(TRY_STEPS):
+        policy.observe(64, 0, 1.0 * 64)
+    first = policy.groups[64].reach[0].value
+    assert first < 0.1 and policy.groups[64].reach[3].value == pytest.approx(1.0)
+    assert policy.summary()["64"]["4"] == pytest.approx(1.6 / (1 + 4 * first))
+    assert set(_steps(policy, 64, accepts=0, n=40, seconds=seconds)) <= {0, 1}
+
+
 def test_where_drafting_saves_much_tries_of_plain_are_rare() -> None:
     # Every draft accepted: 4 drafts cost 2.2 for 5 tokens against plain's 1.0. A try of
     # plain wastes 3 x (1.0 / 0.44 - 1) steps' worth: within 2% of the group's steps, the
