@@ -4,7 +4,9 @@ on a fixed text.
 The reference is the model as loaded, in float32 (`--quantization none`, a float32 KV
 cache); each mode named by `--modes` loads the same model quantized that way: a
 quantization (`gguf`, `gguf_a8`, `int8`, `int4`), a KV cache dtype (`kv:int8`, `kv:fp8_e4m3`,
-`kv:fp8_e5m2`, ...), or both joined by `+` (`gguf+kv:int8`). Both read the same shipped text
+`kv:fp8_e5m2`, ...), a model dtype (`dtype:bfloat16`, with a KV cache of that dtype unless
+one is named), or several joined by `+` (`gguf+kv:int8`, `gguf+dtype:bfloat16`: what
+`rsgl serve` runs on a CPU with AVX512-BF16 or AMX). Both read the same shipped text
 (`quality_text.txt`, ~1,000 tokens of plain English prose written for this benchmark), and
 at every position the two next-token distributions are compared (the metrics of
 llama.cpp's perplexity tool, PR #7412):
@@ -62,15 +64,24 @@ def text_tokens(runner: ModelRunner, max_tokens: int) -> list[int]:
     return ids[:max_tokens]
 
 
-def parse_mode(mode: str) -> tuple[str, str]:
-    """(quantization, kv_cache_dtype) of a mode: `int4`, `kv:int8`, `gguf+kv:fp8_e4m3`."""
-    quantization, kv = "none", "float32"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parse_mode(mode: str) -> tuple[str, str, torch.dtype]:
+    """(quantization, kv_cache_dtype, model dtype) of a mode: `int4`, `kv:int8`,
+    `gguf+kv:fp8_e4m3`, `gguf+dtype:bfloat16` (KV cache: the model's dtype unless named)."""
+    quantization, kv, dtype = "none", "auto", torch.float32
     for part in mode.split("+"):
         if part.startswith("kv:"):
             kv = part.removeprefix("kv:")
+        elif part.startswith("dtype:"):
+            name = part.removeprefix("dtype:")
+            if name not in DTYPES:
+                raise ValueError(f"{mode}: dtype {name!r} is not one of {sorted(DTYPES)}")
+            dtype = DTYPES[name]
         else:
             quantization = part
-    return quantization, kv
+    return quantization, kv, dtype
 
 
 def load(
@@ -78,14 +89,15 @@ def load(
     quantization: str,
     group: int | None,
     tokens: int,
-    kv_cache_dtype: str = "float32",
+    kv_cache_dtype: str = "auto",
+    dtype: torch.dtype = torch.float32,
 ) -> ModelRunner:
     runner = ModelRunner.from_pretrained(
         model,
         kv_buffer_size=tokens + 2,
         max_running_requests=1,
         context_len=tokens + 1,
-        dtype=torch.float32,
+        dtype=dtype,
         quantization=quantization,
         quantization_group_size=group,
         kv_cache_dtype=kv_cache_dtype,
@@ -139,8 +151,8 @@ def measure(
     targets = torch.tensor(ids[1:], dtype=torch.int64)
     results = []
     for mode in modes:
-        quantization, kv = parse_mode(mode)
-        runner = load(model, quantization, group, max_tokens, kv)
+        quantization, kv, dtype = parse_mode(mode)
+        runner = load(model, quantization, group, max_tokens, kv, dtype)
         if runner.loaded.quantization != quantization:
             raise ValueError(f"{mode} resolved to {runner.loaded.quantization}")
         got = runner.teacher_forced_logits(ids, decode=decode)[:-1]
@@ -155,7 +167,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--modes",
         default="gguf,int8,int4,kv:int8,kv:fp8_e4m3,kv:fp8_e5m2",
-        help="comma-separated: a quantization, kv:<KV cache dtype>, or both joined by +",
+        help="comma-separated: a quantization, kv:<KV cache dtype>, dtype:bfloat16, or "
+        "several joined by +",
     )
     parser.add_argument("--quantization-group-size", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=1024)
