@@ -549,6 +549,58 @@ def test_a_calibration_grid_with_holes_is_refused() -> None:
         TableCost.fit([shapes[i] for i in keep], [seconds[i] for i in keep], [1, 8], [64, 256])
 
 
+def test_a_calibration_skips_the_grid_points_past_its_tokens_and_times_the_rest_twice() -> None:
+    passes = calibrate.grid_points([1, 8, 64], [64, 256, 1024, 2048], 8192, 2)
+    first = [(1, 64), (8, 64), (64, 64), (1, 256), (8, 256), (64, 256), (1, 1024), (8, 1024)]
+    first += [(1, 2048)]
+    # 64 x 256 is past the tokens, but every batch keeps its two shortest contexts.
+    assert passes == [first, first[::-1]]
+    assert calibrate.grid_points([1], [64], 16, 3) == [[(1, 64)]] * 3
+
+
+def test_the_table_prices_the_skipped_grid_points_from_their_batch() -> None:
+    prefill = LinearCost((3e-3, 1e-4, 5e-5, 2e-9, 1e-3, 0.0))
+    batches, contexts = [1, 8, 64], [64, 256, 1024, 2048]
+    shapes, seconds = _calibration_steps(batches, contexts, prefill)
+    timed = {p for grid in calibrate.grid_points(batches, contexts, 16384, 1) for p in grid}
+    keep = [
+        i
+        for i, s in enumerate(shapes)
+        if s.num_extends or (s.batch_size, _grid_context(s, contexts)) in timed
+    ]
+    shapes, seconds = [shapes[i] for i in keep], [seconds[i] for i in keep]
+    # Without the cap the points are holes; with it, priced along their batch's last segment.
+    with pytest.raises(ValueError, match=r"\(64, 1024\), \(64, 2048\)\]"):
+        TableCost.fit(shapes, seconds, batches, contexts)
+    table = TableCost.fit(shapes, seconds, batches, contexts, max_tokens=16384)
+    assert table.contexts == pytest.approx([c + 2.5 for c in contexts])
+    grid = np.array(table.decode_s)
+    # Timed points: their steps' median (here, the truth at the middle step's context).
+    for i, b in enumerate(batches):
+        for j, c in enumerate(contexts):
+            if (b, c) in timed:
+                assert grid[i, j] == pytest.approx(_decode_truth(b, c + 2.5))
+    # Skipped: the truth is linear in the context, so its extension is exact.
+    assert grid[2, 2] == pytest.approx(_decode_truth(64, 1026.5))
+    assert grid[2, 3] == pytest.approx(_decode_truth(64, 2050.5))
+    # A hole that the cap does not explain is still refused.
+    no_short = [i for i, s in enumerate(shapes) if s.num_extends or s.context_tokens > 64 * 100]
+    with pytest.raises(ValueError, match=r"no steps at \(batch, context\) \[\(1, 64\)"):
+        TableCost.fit(
+            [shapes[i] for i in no_short],
+            [seconds[i] for i in no_short],
+            batches,
+            contexts,
+            None,
+            16384,
+        )
+
+
+def _grid_context(shape: StepShape, contexts: list[int]) -> int:
+    """The grid context a decode step's context per row is nearest."""
+    return min(contexts, key=lambda c: abs(c - shape.context_tokens / shape.batch_size))
+
+
 def test_the_roofline_prices_memory_compute_and_tensor_parallelism() -> None:
     config = _config()
     h100 = Deployment(EngineArgs(), config, spec=HardwareSpec.load("h100"))

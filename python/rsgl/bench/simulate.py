@@ -37,6 +37,7 @@ from typing import Any
 
 from rsgl.args import EngineArgs, add_cli_args, from_cli
 from rsgl.bench.serving import add_workload_args, format_table
+from rsgl.bench.sim.calibrate import MAX_POINT_TOKENS, PASSES
 from rsgl.bench.sim.cluster import Deployment, Layout
 from rsgl.bench.sim.cost import HardwareSpec, load_cost_model
 from rsgl.bench.sim.workload import WorkloadSpec
@@ -89,8 +90,22 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--hardware-output", default="rsgl-cpu-spec.json")
     m.add_argument(
         "--calibrate-grid",
-        default="1,2,4,8,16,32,64:64,256,1024",
+        default="1,2,4,8,16,32,64:64,256,1024,2048",
         help="decode batches:contexts (prefills are timed at batch x context)",
+    )
+    m.add_argument(
+        "--calibrate-max-tokens",
+        type=int,
+        default=MAX_POINT_TOKENS,
+        help="--calibrate: grid points of more batch x context tokens are priced from their "
+        "batch's shorter contexts, not timed",
+    )
+    m.add_argument(
+        "--calibrate-passes",
+        type=int,
+        default=PASSES,
+        help="--calibrate: times over the grid (every other one in reverse order) and the "
+        "prefill sweep; each point's median pools them",
     )
     m.add_argument("--slo", default=None, help='capacity search, e.g. "ttft_p99<2s,itl_p99<100ms"')
     m.add_argument("--layouts", default=None, help="DPxTP layouts to search, e.g. 8x1,4x2")

@@ -2,10 +2,12 @@
 
 The model is built as the server builds it (`rsgl.stack.build_stack`: same dtype choice,
 threads, attention backend) and its steps are the core's own plans: for each decode batch B
-and context C of the grid, B requests of C random prompt tokens are queued, their prefill
-(chunked as the server chunks it) and a few decode steps run, then the same again with each
-prompt extended (a prefill over a cached prefix); after the grid, prompts of up to a
-chunk and a half are prefilled alone (`PREFILL_FRACTIONS`); every step's shape and
+and context C of the grid (up to `--calibrate-max-tokens` of B x C), B requests of C random
+prompt tokens are queued, their prefill (chunked as the server chunks it) and a few decode
+steps run, then the same again with each prompt extended (a prefill over a cached prefix);
+after the grid, prompts of up to a chunk and a half are prefilled alone
+(`PREFILL_FRACTIONS`). All of it runs `--calibrate-passes` times, the grid's points in
+reverse order every other pass (`grid_points`); every step's shape and
 time (prepare + forward + sampling + the host copy of the tokens, on the CPU compute thread
 as the loop runs them) is a sample. The decode steps' medians per grid point and the
 linear fit of the prefill steps (`TableCost.fit`) are saved as JSON for
@@ -61,7 +63,15 @@ PREFIX_EXTENSION = 32
 # extrapolated from the grid's prompts (SmolLM2's 1,536-token prefills on a 2-core Zen 4
 # were priced 20% high by a grid whose prompts ended at 1,024 tokens).
 PREFILL_FRACTIONS = (0.25, 0.5, 1.0, 1.5)
-PREFILL_REPEATS = 2
+# Passes over the grid and the prefill sweep: each point's median then pools steps timed
+# minutes apart (see `grid_points`).
+PASSES = 2
+# The most tokens (batch x context) a grid point prefills: the grid's points past it are
+# priced from their batch's shorter contexts (`TableCost.fit`). The default grid's 2,048
+# tokens at batch 64 would add 64 prefills of a chunk to each pass (2.5 minutes on a 2-core
+# Zen 4 in bfloat16), and so many requests decode at such contexts only where long prompts
+# come many at a time.
+MAX_POINT_TOKENS = 65536
 # Requests timed one at a time for `request_latency`, and their prompts' length.
 LATENCY_REQUESTS = 8
 LATENCY_PROMPT_LEN = 32
@@ -71,6 +81,22 @@ def parse_grid(text: str) -> tuple[list[int], list[int]]:
     """ "1,8,32:64,256" -> ([1, 8, 32], [64, 256]) (decode batches : contexts)."""
     batches, _, contexts = text.partition(":")
     return [int(x) for x in batches.split(",")], [int(x) for x in contexts.split(",")]
+
+
+def grid_points(
+    batches: list[int], contexts: list[int], max_tokens: int, passes: int
+) -> list[list[tuple[int, int]]]:
+    """Each pass's (batch, context) points in the order they are timed: context by context,
+    those whose batch x context is at most `max_tokens` (and every batch's two shortest
+    contexts, from which `TableCost.fit` extends the rest), every other pass in reverse. A
+    VM's speed drifts by a third within minutes: a point timed in one slow stretch priced its
+    neighbourhood high (on a 2-core Zen 4, one calibration timed batch 1 at 1,048 tokens 9.9
+    ms a step against 6.8 at 280: 4.1 us a token of context, where its larger batches' rows
+    took 1.0-1.9), so each point's median pools steps from each pass, the two ends of the
+    grid timed once early and once late."""
+    shortest = sorted(contexts)[:2]
+    points = [(b, c) for c in contexts for b in batches if b * c <= max_tokens or c in shortest]
+    return [points if i % 2 == 0 else points[::-1] for i in range(passes)]
 
 
 def with_low_bit_switch(batches: list[int], max_rows: int | None) -> list[int]:
@@ -104,9 +130,15 @@ def cpu_name() -> str:
 
 
 def time_steps(
-    engine: EngineArgs, batches: list[int], contexts: list[int], seed: int = 0
+    engine: EngineArgs,
+    batches: list[int],
+    contexts: list[int],
+    seed: int = 0,
+    max_tokens: int = MAX_POINT_TOKENS,
+    passes: int = PASSES,
 ) -> tuple[list[StepShape], list[float], dict[str, Any]]:
-    """Every timed step's shape and seconds over the grid, and what ran them."""
+    """Every timed step's shape and seconds over the grid's points (`grid_points`) and the
+    prefill sweep, and what ran them."""
     from rsgl.stack import build_stack
 
     stack = build_stack(engine)
@@ -158,17 +190,19 @@ def time_steps(
 
     def grid() -> None:
         run_point(batches[0], contexts[0], record=False)  # warm-up
-        for context in contexts:
-            for batch in batches:
+        for points in grid_points(batches, contexts, max_tokens, passes):
+            for batch, context in points:
                 run_point(batch, context, record=True)
-        for length in lengths * PREFILL_REPEATS:
-            run_requests([rng.integers(10, vocab, length)], record=True, max_new_tokens=1)
+            for length in lengths:
+                run_requests([rng.integers(10, vocab, length)], record=True, max_new_tokens=1)
 
     run_on_compute_thread(grid)
     meta = _meta(
         engine,
         batches,
         contexts,
+        max_tokens=max_tokens,
+        passes=passes,
         prefill_lengths=lengths,
         cpu_threads=stack.cpu_threads,
         model=stack.model_dir.name,
@@ -195,7 +229,12 @@ def _meta(
 
 
 def time_server_steps(
-    engine: EngineArgs, batches: list[int], contexts: list[int], seed: int = 0
+    engine: EngineArgs,
+    batches: list[int],
+    contexts: list[int],
+    seed: int = 0,
+    max_tokens: int = MAX_POINT_TOKENS,
+    passes: int = PASSES,
 ) -> tuple[list[StepShape], list[float], dict[str, Any]]:
     """Every step an `rsgl serve` of `engine` ran for the grid's requests (see the module
     doc), its shape and seconds, and what ran them."""
@@ -215,11 +254,21 @@ def time_server_steps(
         try:
             info = httpx.get(f"{url}/get_server_info", timeout=30).json()
             batches = with_low_bit_switch(batches, info.get("low_bit_max_rows"))
-            # A warm-up point first (the first requests pay for lazy set-up), not recorded.
-            points = [(batches[0], contexts[0], False)]
-            points += [(b, c, True) for c in contexts for b in batches]
+            lengths = prefill_lengths(
+                engine.chunked_prefill_size, contexts, int(info["context_length"])
+            )
+            # A warm-up point first (the first requests pay for lazy set-up), not recorded;
+            # each pass's prefill sweep after its points (None).
+            points: list[tuple[int, int, bool] | None] = [(batches[0], contexts[0], False)]
+            for grid in grid_points(batches, contexts, max_tokens, passes):
+                points += [(b, c, True) for b, c in grid] + [None]
             config = serving.BenchConfig(base_url=url, backend="rsgl", warmup_requests=0)
-            for i, (batch, context, record) in enumerate(points):
+            for i, point in enumerate(points):
+                if point is None:
+                    seeds = seed + 2 * len(points) + i * len(lengths)
+                    recorded += prefill_sweep(url, tokenizer, log, lengths, seeds)
+                    continue
+                batch, context, record = point
                 httpx.post(f"{url}/flush_cache", timeout=30)
                 done = len(log.read_text().splitlines()) if log.exists() else 0
                 first = serving.random_requests(
@@ -242,10 +291,6 @@ def time_server_steps(
                 # Each step's line is written before its tokens are sent: all are there.
                 if record:
                     recorded += log.read_text().splitlines()[done:]
-            lengths = prefill_lengths(
-                engine.chunked_prefill_size, contexts, int(info["context_length"])
-            )
-            recorded += prefill_sweep(url, tokenizer, log, lengths, seed + 2 * len(points))
             latency = request_latency(url, tokenizer, log, seed + 3 * len(points))
         finally:
             proc.terminate()
@@ -255,6 +300,8 @@ def time_server_steps(
         engine,
         batches,
         contexts,
+        max_tokens=max_tokens,
+        passes=passes,
         prefill_lengths=lengths,
         through="rsgl serve",
         cpu_threads=info["cpu_threads"],
@@ -267,7 +314,7 @@ def time_server_steps(
 
 
 def prefill_sweep(url: str, tokenizer: Any, log: Path, lengths: list[int], seed: int) -> list[str]:
-    """The step-log lines of `lengths`' prompts (`PREFILL_REPEATS` times each), sent one at a
+    """The step-log lines of `lengths`' prompts, sent one at a
     time for one output token each, every one after a cache flush."""
     import httpx
 
@@ -275,7 +322,7 @@ def prefill_sweep(url: str, tokenizer: Any, log: Path, lengths: list[int], seed:
 
     config = serving.BenchConfig(base_url=url, backend="rsgl", warmup_requests=0)
     lines = []
-    for i, length in enumerate(lengths * PREFILL_REPEATS):
+    for i, length in enumerate(lengths):
         httpx.post(f"{url}/flush_cache", timeout=30)
         done = len(log.read_text().splitlines())
         requests = serving.random_requests(tokenizer, 1, length, 1, seed + i)
@@ -313,9 +360,10 @@ def calibrate_main(args: argparse.Namespace) -> int:
     engine: EngineArgs = from_cli(EngineArgs, args)
     batches, contexts = parse_grid(args.calibrate_grid)
     timer = time_server_steps if args.calibrate_server else time_steps
-    shapes, seconds, meta = timer(engine, batches, contexts, args.seed)
+    max_tokens, passes = args.calibrate_max_tokens, args.calibrate_passes
+    shapes, seconds, meta = timer(engine, batches, contexts, args.seed, max_tokens, passes)
     # The batches timed: the grid's, and the low-bit switch's (`with_low_bit_switch`).
-    model = TableCost.fit(shapes, seconds, meta["batches"], contexts, meta)
+    model = TableCost.fit(shapes, seconds, meta["batches"], contexts, meta, max_tokens)
     saved = model.to_json()
     # The timed steps themselves, so that another model can be fitted to them later.
     saved["sample_fields"] = [*(f.name for f in dataclasses.fields(StepShape)), "seconds"]

@@ -248,13 +248,17 @@ class TableCost:
         batches: Sequence[int],
         contexts: Sequence[int],
         meta: dict[str, Any] | None = None,
+        max_tokens: int | None = None,
     ) -> TableCost:
         """The table of the decode steps' medians per (grid batch, grid context: the one of
         `contexts` nearest the step's context per row, which grows by a token a step) and
         the linear fit of the other steps. Decode steps of other batch sizes (a server
         decodes the requests that finished prefilling while the rest still prefill) are
-        left out. Every grid point needs a step (ValueError naming the holes). Records
-        each part's mean and worst relative error over its own samples."""
+        left out. Every grid point needs a step (ValueError naming the holes) but those of
+        more than `max_tokens` (batch x context) past a batch's second context, which the
+        calibration skips (`grid_points`): they are extended from the batch's two longest
+        contexts timed, as `decode_seconds` extends the table. Records each part's mean
+        and worst relative error over its own samples."""
         grid_batches = set(batches)
         decode = [
             (s, t)
@@ -271,22 +275,40 @@ class TableCost:
             nearest = min(grid_contexts, key=lambda c: abs(c - per_row))
             points.setdefault((s.batch_size, nearest), []).append((per_row, t))
         batches = sorted(grid_batches)
-        missing = [(b, c) for b in batches for c in grid_contexts if (b, c) not in points]
+
+        def skipped(b: int, c: int) -> bool:
+            return max_tokens is not None and b * c > max_tokens and c in grid_contexts[2:]
+
+        missing = [
+            (b, c)
+            for b in batches
+            for c in grid_contexts
+            if (b, c) not in points and not skipped(b, c)
+        ]
         if missing:
             raise ValueError(f"the decode grid has no steps at (batch, context) {missing}")
         # Each column at the median context per row its steps read.
-        table_contexts = [
-            float(np.median([pr for b in batches for pr, _ in points[(b, c)]]))
-            for c in grid_contexts
-        ]
-        grid = np.array(
-            [[np.median([t for _, t in points[(b, c)]]) for c in grid_contexts] for b in batches]
+        table_contexts = np.array(
+            [
+                float(
+                    np.median([pr for b in batches if (b, c) in points for pr, _ in points[(b, c)]])
+                )
+                for c in grid_contexts
+            ]
         )
+        grid = np.full((len(batches), len(grid_contexts)), np.nan)
+        for i, b in enumerate(batches):
+            timed = [j for j, c in enumerate(grid_contexts) if (b, c) in points]
+            grid[i, timed] = [
+                np.median([t for _, t in points[(b, grid_contexts[j])]]) for j in timed
+            ]
+            if len(timed) < len(grid_contexts):  # it has its two shortest contexts timed
+                grid[i] = _interpolate(table_contexts, table_contexts[timed], grid[i, timed])
         grid = np.maximum.accumulate(np.maximum.accumulate(grid, axis=0), axis=1)
         extend = LinearCost.fit([s for s, _ in others], [t for _, t in others])
         model = cls(
             tuple(batches),
-            tuple(table_contexts),
+            tuple(float(c) for c in table_contexts),
             tuple(tuple(float(x) for x in row) for row in grid),
             extend,
             meta=dict(meta or {}),
