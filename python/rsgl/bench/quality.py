@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from rsgl.bench.one_batch import DTYPES
 from rsgl.layers.quant_linear import QuantLinear
 from rsgl.model_executor.model_runner import ModelRunner
 from rsgl.models.loader import load_tokenizer
@@ -64,9 +65,6 @@ def text_tokens(runner: ModelRunner, max_tokens: int) -> list[int]:
     return ids[:max_tokens]
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
 def parse_mode(mode: str) -> tuple[str, str, torch.dtype]:
     """(quantization, kv_cache_dtype, model dtype) of a mode: `int4`, `kv:int8`,
     `gguf+kv:fp8_e4m3`, `gguf+dtype:bfloat16` (KV cache: the model's dtype unless named)."""
@@ -76,9 +74,11 @@ def parse_mode(mode: str) -> tuple[str, str, torch.dtype]:
             kv = part.removeprefix("kv:")
         elif part.startswith("dtype:"):
             name = part.removeprefix("dtype:")
-            if name not in DTYPES:
-                raise ValueError(f"{mode}: dtype {name!r} is not one of {sorted(DTYPES)}")
-            dtype = DTYPES[name]
+            named = DTYPES.get(name)
+            if named is None:  # "auto" names no dtype
+                dtypes = sorted(k for k, v in DTYPES.items() if v is not None)
+                raise ValueError(f"{mode}: dtype {name!r} is not one of {dtypes}")
+            dtype = named
         else:
             quantization = part
     return quantization, kv, dtype
