@@ -27,6 +27,7 @@ from rsgl.layers.cpu_kernels import (
     load_cpu_kernels,
 )
 from rsgl.layers.quant_linear import (
+    AMX_BF16_DOT_MAX_ROWS,
     BF16_DOT_ENV,
     BF16_DOT_MAX_ROWS,
     DEFAULT_MAX_ROWS,
@@ -720,17 +721,29 @@ def test_the_blocks_serve_each_cpus_rows(monkeypatch: pytest.MonkeyPatch) -> Non
     assert low_bit_max_rows(avx512, torch.float32) == 32  # type: ignore[arg-type]
     assert low_bit_max_rows(avx512, torch.bfloat16) == 12  # type: ignore[arg-type]
     # With AVX-512 the interleaved blocks still serve every float32 batch; bfloat16's dense
-    # copy, multiplied natively there, takes over past 64 rows.
-    for dtype, rows in ((torch.float32, INTERLEAVED_INT8_MAX_ROWS), (torch.bfloat16, 64)):
-        assert low_bit_max_rows(avx512, dtype, True, interleaved=True) == rows  # type: ignore[arg-type]
+    # copy, multiplied natively there, takes over past 64 rows, on AMX's tiles past 32.
+    cases = [(torch.float32, frozenset(), INTERLEAVED_INT8_MAX_ROWS)]
+    cases += [(torch.float32, frozenset({"amx_bf16"}), INTERLEAVED_INT8_MAX_ROWS)]
+    cases += [(torch.bfloat16, frozenset({"avx512_bf16"}), 64)]
+    cases += [(torch.bfloat16, frozenset({"avx512_bf16", "amx_bf16"}), 32)]
+    for dtype, units, rows in cases:
+        got = low_bit_max_rows(avx512, dtype, True, interleaved=True, bf16_units=units)  # type: ignore[arg-type]
+        assert got == rows, (dtype, units)
     assert low_bit_max_rows(avx512, torch.float32, True) == 32  # type: ignore[arg-type]
     # With AVX512-BF16, GGUF's blocks multiply bfloat16 rows by its dot products (interleaved)
     # up to 64 rows, float32 ones as before; RSGL_BF16_DOT=0 keeps them on the float32 kernels.
     bf16 = SimpleNamespace(isa=("avx2", "fma", "f16c", "avx512f", "avx512_bf16"), x8b_native=True)
     assert uses_bf16_dot(bf16, torch.bfloat16) and not uses_bf16_dot(bf16, torch.float32)  # type: ignore[arg-type]
     assert not uses_bf16_dot(avx512, torch.bfloat16)  # type: ignore[arg-type]
-    assert low_bit_max_rows(bf16, torch.bfloat16, interleaved=True) == BF16_DOT_MAX_ROWS  # type: ignore[arg-type]
-    assert low_bit_max_rows(bf16, torch.float32, interleaved=True) == 32  # type: ignore[arg-type]
+    zen4, amx = frozenset({"avx512_bf16"}), frozenset({"avx512_bf16", "amx_bf16"})
+    rows = low_bit_max_rows(bf16, torch.bfloat16, interleaved=True, bf16_units=zen4)  # type: ignore[arg-type]
+    assert rows == BF16_DOT_MAX_ROWS
+    # Where the dense copy runs on AMX's tiles, it takes over much sooner.
+    rows = low_bit_max_rows(bf16, torch.bfloat16, interleaved=True, bf16_units=amx)  # type: ignore[arg-type]
+    assert rows == AMX_BF16_DOT_MAX_ROWS < BF16_DOT_MAX_ROWS
+    assert low_bit_max_rows(bf16, torch.float32, interleaved=True, bf16_units=amx) == 32  # type: ignore[arg-type]
     monkeypatch.setenv(BF16_DOT_ENV, "0")
     assert not uses_bf16_dot(bf16, torch.bfloat16)  # type: ignore[arg-type]
-    assert low_bit_max_rows(bf16, torch.bfloat16, interleaved=True) == 12  # type: ignore[arg-type]
+    for units in (zen4, amx):
+        rows = low_bit_max_rows(bf16, torch.bfloat16, interleaved=True, bf16_units=units)  # type: ignore[arg-type]
+        assert rows == 12

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from rsgl.cpu_features import cpu_bf16_features
 from rsgl.layers.cpu_kernels import QUANT_BLOCK, QUANT_FORMATS, CpuKernels
 
 # Rows of x up to which the low-bit weights are read rather than the dense copy, where the
@@ -62,8 +63,14 @@ INTERLEAVED_INT8_MAX_ROWS = 1 << 30
 # The same for bfloat16 activations where AVX-512 runs the dense copy (which multiplies
 # bfloat16 natively on AVX512-BF16 and AMX; the int8 kernels widen x to float32): on the Zen 4,
 # decode steps of 64 rows 61.7 / 62.1 vs 80.5 / 78.3 ms, 128 rows 135 / 106 vs 124 / 112, and
-# the dense copy's prefill of 8,192 rows 1.4x faster. (Not measured on AMX.)
+# the dense copy's prefill of 8,192 rows 1.4x faster.
 INTERLEAVED_INT8_BF16_AVX512_MAX_ROWS = 64
+# Where the dense copy runs on AMX's tiles: on a 2-core Xeon with AMX (/proc/cpuinfo family 6
+# model 167; `rsgl bench one-batch --dtype bfloat16 --quantization gguf_a8 --input-len 100
+# --output-len 32 --low-bit-max-rows 64 / 1`, ms a step, two alternated runs, blocks vs
+# dense): 11.2 / 11.0 vs 28.6 / 29.5 at 8 rows, 18.9 / 20.4 vs 32.3 / 34.2 at 16, 38.9 /
+# 35.7 vs 42.5 / 39.9 at 32, 73.0 / 72.7 vs 61.4 / 55.0 at 64.
+INTERLEAVED_INT8_BF16_AMX_MAX_ROWS = 32
 
 # Rows of bfloat16 activations up to which GGUF's blocks, interleaved, are multiplied by
 # AVX512-BF16's dot products (`uses_bf16_dot`) rather than the dense copy. SmolLM2's decode
@@ -73,6 +80,13 @@ INTERLEAVED_INT8_BF16_AVX512_MAX_ROWS = 64
 # 57.7 vs 57.3 / 65.4 at 48, 69.8 / 73.5 vs 69.6 / 74.1 at 64; one layer's products and the
 # LM head alone, 16.7 vs 15.0 ms at 80 rows.
 BF16_DOT_MAX_ROWS = 64
+
+# The same where the dense copy multiplies on AMX's tiles (`amx_bf16`), which overtake the
+# dot products much sooner. SmolLM2 on a 2-core Xeon with AMX (/proc/cpuinfo family 6 model
+# 167; the same bench, two alternated runs each, blocks vs dense): 20.2 / 20.1 vs 27.0 /
+# 29.8 ms at 8 rows, 29.5 / 30.4 vs 31.6 / 33.3 at 12, 36.3 / 36.9 vs 30.7 / 34.0 at 16,
+# 72.3 / 70.4 vs 40.8 / 46.2 at 32, 139.3 / 139.6 vs 58.6 / 54.8 at 64.
+AMX_BF16_DOT_MAX_ROWS = 12
 
 # `RSGL_BF16_DOT=0` keeps the exact blocks of bfloat16 models on the float32 kernels (quant.c)
 # where AVX512-BF16 would serve them: the comparison `uses_bf16_dot`'s figures come from.
@@ -93,6 +107,7 @@ def low_bit_max_rows(
     dtype: torch.dtype,
     int8_activations: bool = False,
     interleaved: bool = False,
+    bf16_units: frozenset[str] | None = None,
 ) -> int:
     """The rows up to which projections of `dtype` activations read low-bit weights
     (quantized to int8 first with `int8_activations`; `interleaved`: GGUF's blocks, which
@@ -107,14 +122,19 @@ def low_bit_max_rows(
     activations over load-time groups (no AVX-512 form) keep the exact kernels' limits
     there; over GGUF's interleaved blocks (AVX512-VNNI's dot products where the CPU has
     them) they serve every float32 batch wherever AVX2 runs, and 64 rows of bfloat16 with
-    AVX-512 (the constants above). Bfloat16 rows over GGUF's blocks through AVX512-BF16's
-    dot products (`uses_bf16_dot`) serve up to `BF16_DOT_MAX_ROWS`."""
+    AVX-512 (32 where the dense copy runs on AMX: `bf16_units`, default
+    `cpu_bf16_features()`). Bfloat16 rows over GGUF's blocks through AVX512-BF16's dot
+    products (`uses_bf16_dot`) serve up to `BF16_DOT_MAX_ROWS`, with AMX
+    `AMX_BF16_DOT_MAX_ROWS`."""
     avx512 = "avx512f" in kernels.isa
+    amx = "amx_bf16" in (cpu_bf16_features() if bf16_units is None else bf16_units)
     if not int8_activations and interleaved and uses_bf16_dot(kernels, dtype):
-        return BF16_DOT_MAX_ROWS
+        return AMX_BF16_DOT_MAX_ROWS if amx else BF16_DOT_MAX_ROWS
     if int8_activations and interleaved and "avx2" in kernels.isa:
         if dtype == torch.float32 or not avx512:
             return INTERLEAVED_INT8_MAX_ROWS
+        if amx:
+            return INTERLEAVED_INT8_BF16_AMX_MAX_ROWS
         return INTERLEAVED_INT8_BF16_AVX512_MAX_ROWS
     if not avx512:
         return INT8_ACTIVATIONS_MAX_ROWS if int8_activations else DEFAULT_MAX_ROWS

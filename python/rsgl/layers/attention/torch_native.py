@@ -32,8 +32,13 @@ TOKEN_ROWS_MAX_EXTEND = 64
 # The same in bfloat16 where AMX does not run torch's SDPA: its SDPA was the slower at every
 # size measured, so every extend runs as rows. On the same Zen 4 (AVX512-BF16): 32 tokens over
 # 1,024 cached 45.4 vs 59.4 ms, 64 over 512 68.3 vs 82.9, 128 over 512 134.8 vs 171.9, a
-# 512-token prompt 371 vs 457, 2,048 tokens over 4,096 cached 6,736 vs 7,679. With AMX
-# (unmeasured) extends keep the limit they had before these figures.
+# 512-token prompt 371 vs 457, 2,048 tokens over 4,096 cached 6,736 vs 7,679. AMX runs SDPA's
+# matmuls on its tiles, and SDPA takes over from a few dozen tokens: on a 2-core Xeon with AMX
+# (/proc/cpuinfo family 6 model 167; `python benches/extend_rows.py --dtype bfloat16`, medians
+# of 5 and of 7, rows vs SDPA) 8 tokens over 1,024 cached 24.5 vs 37.1, 16 over 1,024 45.7 /
+# 46.5 vs 50.7 / 51.4, 24 over 1,024 53.0 vs 54.9, 32 over 1,024 59.8 / 64.9 vs 57.1 / 62.4,
+# 64 over 512 66.5 / 67.2 vs 58.0 / 59.0, 128 over 512 100.3 vs 75.0, a 512-token prompt 230
+# vs 177.
 AMX_BF16_TOKEN_ROWS_MAX_EXTEND = 16
 
 
