@@ -28,6 +28,7 @@ from rsgl.layers.cpu_kernels import (
 )
 from rsgl.layers.quant_linear import (
     AMX_BF16_DOT_MAX_ROWS,
+    AMX_TILES_MAX_ROWS,
     BF16_DOT_ENV,
     BF16_DOT_MAX_ROWS,
     DEFAULT_MAX_ROWS,
@@ -212,19 +213,26 @@ def test_bfloat16_activations_round_once(kernels: CpuKernels) -> None:
 
 @pytest.mark.parametrize("fmt", list(QUANT_FORMATS))
 @pytest.mark.parametrize("cols", [256, 32 * 67])
-def test_bfloat16_dots_multiply_the_exact_weights(kernels: CpuKernels, fmt: str, cols: int) -> None:
-    # AVX512-BF16's kernel where the build has it, else its plain C loops: either way the
-    # file's weights times the bfloat16 rows, summed in float32 and rounded once.
+@pytest.mark.parametrize("tiles", [False, True], ids=["dots", "amx"])
+def test_bfloat16_dots_multiply_the_exact_weights(
+    kernels: CpuKernels, fmt: str, cols: int, tiles: bool
+) -> None:
+    # AVX512-BF16's kernel where the build has it, else its plain C loops; or AMX's tiles
+    # over their own layout where this CPU has them: either way the file's weights times the
+    # bfloat16 rows, summed in float32 and rounded once.
+    if tiles and not kernels.amx:
+        pytest.skip("AMX's tiles are not enabled on this CPU")
     blocks, dense = _random_blocks(fmt, 67, cols, seed=7)
     gen = torch.Generator().manual_seed(8)
-    x = torch.randn(21, cols, generator=gen)
+    x = torch.randn(37, cols, generator=gen)
     x[3, :32] = 0.0
     x[4, 40] = 1e4  # one block dominated by one value
     x[6, -1] = -1e4
     x = x.bfloat16()
-    packed = kernels.pack_a8(blocks, fmt)
-    got = kernels.qlinear_x8b(x, packed, fmt, 67)
-    assert got.shape == (21, 67) and got.dtype == torch.bfloat16
+    packed = kernels.pack_amx(blocks, fmt) if tiles else kernels.pack_a8(blocks, fmt)
+    qlinear = kernels.qlinear_amx if tiles else kernels.qlinear_x8b
+    got = qlinear(x, packed, fmt, 67)
+    assert got.shape == (37, 67) and got.dtype == torch.bfloat16
     exact = x.double() @ dense.double().T
     magnitudes = x.double().abs() @ dense.double().abs().T
     # Within float32 summation error of the exact product before the one rounding; a sum of
@@ -235,19 +243,29 @@ def test_bfloat16_dots_multiply_the_exact_weights(kernels: CpuKernels, fmt: str,
     assert ((got.double() - exact).abs() <= bound).all()
     # Mostly it is the exact product's rounding.
     assert (got == exact.to(torch.bfloat16)).float().mean() > 0.9
-    # One order per row whatever the batch (tiles of up to 8 rows share a pass).
-    for start, stop in ((0, 1), (4, 5), (20, 21), (0, 3), (2, 9), (0, 8), (1, 9), (5, 17), (3, 21)):
-        part = kernels.qlinear_x8b(x[start:stop].contiguous(), packed, fmt, 67)
+    # One order per row whatever the batch (up to 8 rows share a pass of the dot products,
+    # 16 a tile multiply).
+    slices = [(0, 1), (4, 5), (20, 21), (0, 3), (2, 9), (0, 8), (1, 9), (5, 17), (3, 21)]
+    slices += [(0, 16), (1, 17), (0, 33), (36, 37), (2, 37)]
+    for start, stop in slices:
+        part = qlinear(x[start:stop].contiguous(), packed, fmt, 67)
         assert torch.equal(part, got[start:stop]), (start, stop)
-    assert kernels.qlinear_x8b(x[:0], packed, fmt, 67).shape == (0, 67)
-    # As a model holds it: the blocks interleaved when the projection is installed.
+    assert qlinear(x[:0], packed, fmt, 67).shape == (0, 67)
+    # As a model holds it: the blocks packed when the projection is installed, in AMX's
+    # layout wherever AMX's tiles run.
     weight = GGUFBlocks(kernels, fmt, blocks, bf16_dot=True).serving_form()
     assert isinstance(weight, InterleavedBlocks) and not weight.int8_activations
-    assert torch.equal(weight.matmul(x), got)
-    ids = torch.tensor([66, 0, 7, 8])
+    assert weight.amx == kernels.amx
+    if weight.amx == tiles:
+        assert torch.equal(weight.matmul(x), got)
+    ids = torch.tensor([66, 0, 7, 8, 15, 16])
     assert torch.equal(weight.rows(ids), kernels.dequant_rows(blocks, fmt, ids))
+    unpack = kernels.unpack_rows_amx if tiles else kernels.unpack_rows_a8
+    assert torch.equal(unpack(packed, fmt, 67, cols, ids), blocks[ids])
     with pytest.raises(ValueError, match="bfloat16"):
-        kernels.qlinear_x8b(x.float(), packed, fmt, 67)
+        qlinear(x.float(), packed, fmt, 67)
+    with pytest.raises(ValueError, match="contiguous CPU uint8"):
+        qlinear(x, packed[:-1], fmt, 67)
 
 
 def test_bad_operands_are_named(kernels: CpuKernels) -> None:
@@ -706,7 +724,7 @@ def test_every_form_multiplies_the_same_weights_in_one_order_per_row(
 
 
 def test_the_blocks_serve_each_cpus_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    avx2 = SimpleNamespace(isa=("avx2", "fma", "f16c"), x8b_native=False)
+    avx2 = SimpleNamespace(isa=("avx2", "fma", "f16c"), x8b_native=False, amx=False)
     for dtype in (torch.float32, torch.bfloat16):
         assert low_bit_max_rows(avx2, dtype) == DEFAULT_MAX_ROWS  # type: ignore[arg-type]
     a8 = low_bit_max_rows(avx2, torch.float32, int8_activations=True)  # type: ignore[arg-type]
@@ -715,9 +733,9 @@ def test_the_blocks_serve_each_cpus_rows(monkeypatch: pytest.MonkeyPatch) -> Non
     # AVX2 their kernels are plain C and keep the limit.
     blocks = low_bit_max_rows(avx2, torch.float32, True, interleaved=True)  # type: ignore[arg-type]
     assert blocks == INTERLEAVED_INT8_MAX_ROWS
-    plain = SimpleNamespace(isa=("sse2",), x8b_native=False)
+    plain = SimpleNamespace(isa=("sse2",), x8b_native=False, amx=False)
     assert low_bit_max_rows(plain, torch.float32, True, True) == INT8_ACTIVATIONS_MAX_ROWS  # type: ignore[arg-type]
-    avx512 = SimpleNamespace(isa=("avx2", "fma", "f16c", "avx512f"), x8b_native=False)
+    avx512 = SimpleNamespace(isa=("avx2", "fma", "f16c", "avx512f"), x8b_native=False, amx=False)
     assert low_bit_max_rows(avx512, torch.float32) == 32  # type: ignore[arg-type]
     assert low_bit_max_rows(avx512, torch.bfloat16) == 12  # type: ignore[arg-type]
     # With AVX-512 the interleaved blocks still serve every float32 batch; bfloat16's dense
@@ -732,7 +750,8 @@ def test_the_blocks_serve_each_cpus_rows(monkeypatch: pytest.MonkeyPatch) -> Non
     assert low_bit_max_rows(avx512, torch.float32, True) == 32  # type: ignore[arg-type]
     # With AVX512-BF16, GGUF's blocks multiply bfloat16 rows by its dot products (interleaved)
     # up to 64 rows, float32 ones as before; RSGL_BF16_DOT=0 keeps them on the float32 kernels.
-    bf16 = SimpleNamespace(isa=("avx2", "fma", "f16c", "avx512f", "avx512_bf16"), x8b_native=True)
+    isa = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16")
+    bf16 = SimpleNamespace(isa=isa, x8b_native=True, amx=False)
     assert uses_bf16_dot(bf16, torch.bfloat16) and not uses_bf16_dot(bf16, torch.float32)  # type: ignore[arg-type]
     assert not uses_bf16_dot(avx512, torch.bfloat16)  # type: ignore[arg-type]
     zen4, amx = frozenset({"avx512_bf16"}), frozenset({"avx512_bf16", "amx_bf16"})
@@ -742,6 +761,10 @@ def test_the_blocks_serve_each_cpus_rows(monkeypatch: pytest.MonkeyPatch) -> Non
     rows = low_bit_max_rows(bf16, torch.bfloat16, interleaved=True, bf16_units=amx)  # type: ignore[arg-type]
     assert rows == AMX_BF16_DOT_MAX_ROWS < BF16_DOT_MAX_ROWS
     assert low_bit_max_rows(bf16, torch.float32, interleaved=True, bf16_units=amx) == 32  # type: ignore[arg-type]
+    # Where the blocks themselves multiply on AMX's tiles, they keep up with the dense copy.
+    tiles = SimpleNamespace(isa=isa, x8b_native=True, amx=True)
+    rows = low_bit_max_rows(tiles, torch.bfloat16, interleaved=True, bf16_units=amx)  # type: ignore[arg-type]
+    assert rows == AMX_TILES_MAX_ROWS > AMX_BF16_DOT_MAX_ROWS
     monkeypatch.setenv(BF16_DOT_ENV, "0")
     assert not uses_bf16_dot(bf16, torch.bfloat16)  # type: ignore[arg-type]
     for units in (zen4, amx):

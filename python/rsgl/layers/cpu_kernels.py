@@ -84,6 +84,10 @@ SCALED_KV_DTYPES = (torch.int8,)
 # RSGL_CPU_FEATURES emulates). -ffast-math is for compiling only: a shared library *linked*
 # with it gets crtfastmath, which turns on flush-to-zero for the whole process, torch
 # included.
+# `RSGL_AMX=0` keeps the exact bfloat16 blocks on AVX512-BF16's dot products where AMX's
+# tiles would serve them (`CpuKernels.amx`).
+AMX_ENV = "RSGL_AMX"
+
 _FLAGS = ["-O3", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC"]
 _LINK_FLAGS = ["-shared", "-fopenmp"]
 
@@ -248,6 +252,9 @@ class CpuKernels:
         # Per GGUF format: bfloat16 activations times the interleaved blocks, the weights
         # exact (quant_a8.c's AVX512-BF16 kernels; plain C where the build lacks them).
         self._qlinear_x8b: dict[str, Any] = {}
+        # The same over AMX's layout (`pack_amx`), on its tiles: per format, the product,
+        # the packed size, the packing and rows back out.
+        self._amx: dict[str, tuple[Any, Any, Any, Any]] = {}
         for fmt, (name, _) in QUANT_FORMATS.items():
             self._packed_a8_bytes[fmt] = getattr(lib, f"rsgl_packed_a8_bytes_{name}")
             self._packed_a8_bytes[fmt].argtypes = [i64, i64]
@@ -263,6 +270,20 @@ class CpuKernels:
                     self._qlinear[fmt, act, a8] = qlinear
             self._qlinear_x8b[fmt] = getattr(lib, f"rsgl_qlinear_{name}_x8b_bf16")
             self._qlinear_x8b[fmt].argtypes = [ptr, i64, i64, ptr, i64, ptr, i32]
+            amx = [
+                getattr(lib, f"rsgl_{part}")
+                for part in (
+                    f"qlinear_{name}_amx_bf16",
+                    f"packed_amx_bytes_{name}",
+                    f"pack_amx_{name}",
+                    f"unpack_rows_amx_{name}",
+                )
+            ]
+            amx[0].argtypes = [ptr, i64, i64, ptr, i64, ptr, i32]
+            amx[1].argtypes, amx[1].restype = [i64, i64], i64
+            amx[2].argtypes = [ptr, i64, i64, ptr]
+            amx[3].argtypes = [ptr, i64, ptr, i64, ptr]
+            self._amx[fmt] = (amx[0], amx[1], amx[2], amx[3])
             self._dequant_rows[fmt] = getattr(lib, f"rsgl_dequant_rows_{name}")
             self._dequant_rows[fmt].argtypes = [ptr, i64, ptr, i64, ptr]
         # Weights quantized at load time: one entry per activation dtype and int8 activations
@@ -290,6 +311,12 @@ class CpuKernels:
         native.argtypes, native.restype = [], ctypes.c_int
         # Whether `qlinear_x8b` runs on AVX512-BF16's dot products (else in plain C).
         self.x8b_native = bool(native())
+        # Whether `qlinear_x8b` runs on AMX's tiles (quant_a8.c's qlinear_amx), in every
+        # batch: where the kernels were built for AMX and Linux grants this process its
+        # tiles, unless `RSGL_AMX=0` (which keeps the dot products, to compare).
+        enable = lib.rsgl_amx_enable
+        enable.argtypes, enable.restype = [], ctypes.c_int
+        self.amx = os.environ.get(AMX_ENV, "1") != "0" and bool(enable())
         isa = lib.rsgl_kernel_isa
         isa.argtypes, isa.restype = [], ctypes.c_char_p
         # The instruction sets the kernels were compiled for (which of their paths run).
@@ -303,6 +330,7 @@ class CpuKernels:
             *self._argmax.values(),
             *self._qlinear.values(),
             *self._qlinear_x8b.values(),
+            *(fns[i] for fns in self._amx.values() for i in (0, 2, 3)),
             *self._dequant_rows.values(),
             *self._qlinear_group.values(),
             self._dequant_rows_group,
@@ -323,16 +351,18 @@ class CpuKernels:
         act: torch.dtype,
         int8_activations: bool = False,
         interleaved: bool = False,
+        amx: bool = False,
     ) -> int:
         """The projection kernel over GGUF blocks of `fmt` (None: over load-time groups),
         exact or with `int8_activations` (GGUF's: over the blocks `pack_a8` interleaved);
-        exact over the `interleaved` blocks: `qlinear_x8b`'s (bfloat16 only)."""
+        exact over the `interleaved` blocks: `qlinear_x8b`'s, or with `amx` (blocks in AMX's
+        layout) `qlinear_amx`'s (bfloat16 only)."""
         if fmt is None:
             return _address(self._qlinear_group[act, int8_activations])
         if interleaved and not int8_activations:
             if act != torch.bfloat16:
                 raise ValueError("the interleaved blocks' exact kernel takes bfloat16 rows")
-            return _address(self._qlinear_x8b[fmt])
+            return _address(self._amx[fmt][0] if amx else self._qlinear_x8b[fmt])
         return _address(self._qlinear[fmt, act, int8_activations])
 
     def decode_stack(
@@ -590,10 +620,52 @@ class CpuKernels:
         self._pack_a8[fmt](blocks.data_ptr(), rows, k, out.data_ptr())
         return out
 
-    def _check_packed(self, packed: torch.Tensor, fmt: str, rows: int, k: int) -> None:
+    def pack_amx(self, blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+        """GGUF blocks (see `qlinear`) in AMX's layout, as `qlinear_amx` reads them
+        (quant_a8.c): uint8 [ceil(N / 16), K / 32 * 16 blocks' bytes], the last group padded
+        with zero rows. The same bytes, reordered (nibbles moved within their blocks)."""
+        rows, k = _check_blocks(blocks, fmt, None)
+        out = torch.empty((-(-rows // 16), self._amx[fmt][1](16, k)), dtype=torch.uint8)
+        self._amx[fmt][2](blocks.data_ptr(), rows, k, out.data_ptr())
+        return out
+
+    def qlinear_amx(
+        self, x: torch.Tensor, packed: torch.Tensor, fmt: str, rows: int
+    ) -> torch.Tensor:
+        """`qlinear_x8b`'s product (the weights exact) over W's GGUF blocks as `pack_amx`
+        laid them out, on AMX's tiles; only where `amx` says they run. Returns [M, rows]
+        bfloat16."""
+        if not self.amx:
+            raise RuntimeError("qlinear_amx: AMX's tiles are not enabled in this process")
+        return self._exact_bf16(x, packed, fmt, rows, amx=True)
+
+    def _exact_bf16(
+        self, x: torch.Tensor, packed: torch.Tensor, fmt: str, rows: int, amx: bool
+    ) -> torch.Tensor:
+        if _check(x) != torch.bfloat16 or x.dim() != 2 or x.shape[1] % QUANT_BLOCK:
+            name = "qlinear_amx" if amx else "qlinear_x8b"
+            raise ValueError(f"{name}: x must be bfloat16 [M, K], K a multiple of {QUANT_BLOCK}")
+        self._check_packed(packed, fmt, rows, x.shape[1], amx)
+        fn = self._amx[fmt][0] if amx else self._qlinear_x8b[fmt]
+        return self._run_qlinear(fn, x, packed, rows, x.shape[1])
+
+    def unpack_rows_amx(
+        self, packed: torch.Tensor, fmt: str, rows: int, k: int, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Rows `ids` (int64) of a `pack_amx` matrix of `rows` x `k` weights, as the file held
+        them: uint8 [len(ids), K / 32 * block bytes]."""
+        return self._unpack_rows(packed, fmt, rows, k, ids, amx=True)
+
+    def _check_packed(
+        self, packed: torch.Tensor, fmt: str, rows: int, k: int, amx: bool = False
+    ) -> None:
         if fmt not in QUANT_FORMATS:
             raise ValueError(f"GGUF format {fmt!r}: the kernels read {', '.join(QUANT_FORMATS)}")
-        shape = (-(-rows // 8), self._packed_a8_bytes[fmt](8, k))
+        group, layout = (16, "in AMX's layout") if amx else (8, "interleaved")
+        shape = (
+            -(-rows // group),
+            (self._amx[fmt][1] if amx else self._packed_a8_bytes[fmt])(group, k),
+        )
         if (
             packed.dtype != torch.uint8
             or tuple(packed.shape) != shape
@@ -601,7 +673,7 @@ class CpuKernels:
             or packed.device.type != "cpu"
         ):
             raise ValueError(
-                f"{rows} x {k} {fmt} weights interleaved are a contiguous CPU uint8 {shape}"
+                f"{rows} x {k} {fmt} weights {layout} are a contiguous CPU uint8 {shape}"
             )
 
     def qlinear_a8(
@@ -623,24 +695,25 @@ class CpuKernels:
         """x [M, K] bfloat16 times W^T for W's GGUF blocks as `pack_a8` interleaved them
         (`rows` weight rows), the weights exact: per block d * sum(q * x) + m * sum(x), the
         quants' products with x exact in float32 (quant_a8.c). Returns [M, rows] bfloat16."""
-        if _check(x) != torch.bfloat16 or x.dim() != 2 or x.shape[1] % QUANT_BLOCK:
-            raise ValueError(
-                f"qlinear_x8b: x must be bfloat16 [M, K], K a multiple of {QUANT_BLOCK}"
-            )
-        self._check_packed(packed, fmt, rows, x.shape[1])
-        return self._run_qlinear(self._qlinear_x8b[fmt], x, packed, rows, x.shape[1])
+        return self._exact_bf16(x, packed, fmt, rows, amx=False)
 
     def unpack_rows_a8(
         self, packed: torch.Tensor, fmt: str, rows: int, k: int, ids: torch.Tensor
     ) -> torch.Tensor:
         """Rows `ids` (int64) of a `pack_a8` matrix of `rows` x `k` weights, as the file held
         them: uint8 [len(ids), K / 32 * block bytes]."""
+        return self._unpack_rows(packed, fmt, rows, k, ids, amx=False)
+
+    def _unpack_rows(
+        self, packed: torch.Tensor, fmt: str, rows: int, k: int, ids: torch.Tensor, amx: bool
+    ) -> torch.Tensor:
         _check_index(ids, torch.int64)
-        self._check_packed(packed, fmt, rows, k)
+        self._check_packed(packed, fmt, rows, k, amx)
         if len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < rows:
-            raise ValueError(f"unpack_rows_a8: ids must be in [0, {rows})")
+            raise ValueError(f"unpack_rows: ids must be in [0, {rows})")
         out = torch.empty((len(ids), k // QUANT_BLOCK * QUANT_FORMATS[fmt][1]), dtype=torch.uint8)
-        self._unpack_rows_a8[fmt](packed.data_ptr(), k, ids.data_ptr(), len(ids), out.data_ptr())
+        unpack = self._amx[fmt][3] if amx else self._unpack_rows_a8[fmt]
+        unpack(packed.data_ptr(), k, ids.data_ptr(), len(ids), out.data_ptr())
         return out
 
     def dequant_rows(self, blocks: torch.Tensor, fmt: str, ids: torch.Tensor) -> torch.Tensor:

@@ -178,8 +178,13 @@ class DecodeStack:
         n, k = weight.shape
         if isinstance(weight, (GGUFBlocks, InterleavedBlocks)):
             weight = weight.serving_form()  # what its kernel reads (interleaved or not)
+            interleaved = isinstance(weight, InterleavedBlocks)
             fn = self.kernels.qlinear_address(
-                weight.fmt, self.act, weight.int8_activations, isinstance(weight, InterleavedBlocks)
+                weight.fmt,
+                self.act,
+                weight.int8_activations,
+                interleaved,
+                isinstance(weight, InterleavedBlocks) and weight.amx,
             )
             return _Proj(fn, None, self._hold(weight.data), None, None, k, n, k, 0)
         assert isinstance(weight, GroupQuantized)
