@@ -90,9 +90,12 @@ AMX_BF16_DOT_MAX_ROWS = 12
 
 # Rows up to which GGUF's blocks multiply bfloat16 rows on AMX's tiles themselves
 # (`CpuKernels.amx`: the blocks in AMX's layout). SmolLM2 on the same Xeon (the same bench,
-# blocks on the tiles vs the dense copy, ms a step): 12.1 vs 35.5 at 8 rows, 20.1 vs 40.2 at
-# 16, 35.0 vs 50.3 at 32, 59.2 vs 63.8 at 64; at batch 1 6.6 / 6.2 against the dot products'
-# 5.8 / 6.3. Past 64 the dense copy's prefill shapes are unmeasured against them.
+# blocks on the tiles vs the dense copy, ms a step): 15.0 vs 36.9 at 8 rows, 19.9 vs 45.2 at
+# 16, 38.8 vs 56.0 at 32, 69.1 vs 73.2 at 64. Every row takes the tiles, one included, so a
+# row's bits do not depend on its batch (a verify's rows get the decode steps' logits); a
+# step of one row pays for it, 7.5 / 8.6 ms against the dot products' 5.8 / 6.5 (the tiles'
+# products are as fast, but the core runs slower after them: Python between AMX's calls took
+# 8% longer than between the dot products'). `RSGL_AMX=0` keeps the dot products.
 AMX_TILES_MAX_ROWS = 64
 
 # `RSGL_BF16_DOT=0` keeps the exact blocks of bfloat16 models on the float32 kernels (quant.c)
