@@ -93,9 +93,11 @@ AMX_BF16_DOT_MAX_ROWS = 12
 # blocks on the tiles vs the dense copy, ms a step): 15.0 vs 36.9 at 8 rows, 19.9 vs 45.2 at
 # 16, 38.8 vs 56.0 at 32, 69.1 vs 73.2 at 64. Every row takes the tiles, one included, so a
 # row's bits do not depend on its batch (a verify's rows get the decode steps' logits); a
-# step of one row pays for it, 7.5 / 8.6 ms against the dot products' 5.8 / 6.5 (the tiles'
-# products are as fast, but the core runs slower after them: Python between AMX's calls took
-# 8% longer than between the dot products'). `RSGL_AMX=0` keeps the dot products.
+# step of one row pays for it, 7.5 / 8.6 ms against the dot products' 5.8 / 6.5: the tiles'
+# products are as fast, but the core runs slower after them (Python between AMX's calls took
+# 8% longer than between the dot products'; in C, a scalar loop 13% longer right after tile
+# multiplies than after idling, 6% than after AVX-512 multiply-adds). `RSGL_AMX=0` keeps
+# the dot products.
 AMX_TILES_MAX_ROWS = 64
 
 # `RSGL_BF16_DOT=0` keeps the exact blocks of bfloat16 models on the float32 kernels (quant.c)
