@@ -739,11 +739,11 @@ def test_the_blocks_serve_each_cpus_rows(monkeypatch: pytest.MonkeyPatch) -> Non
     assert low_bit_max_rows(avx512, torch.float32) == 32  # type: ignore[arg-type]
     assert low_bit_max_rows(avx512, torch.bfloat16) == 12  # type: ignore[arg-type]
     # With AVX-512 the interleaved blocks still serve every float32 batch; bfloat16's dense
-    # copy, multiplied natively there, takes over past 64 rows, on AMX's tiles past 32.
+    # copy, multiplied natively there, takes over past 64 rows, on AMX's tiles past 48.
     cases = [(torch.float32, frozenset(), INTERLEAVED_INT8_MAX_ROWS)]
     cases += [(torch.float32, frozenset({"amx_bf16"}), INTERLEAVED_INT8_MAX_ROWS)]
     cases += [(torch.bfloat16, frozenset({"avx512_bf16"}), 64)]
-    cases += [(torch.bfloat16, frozenset({"avx512_bf16", "amx_bf16"}), 32)]
+    cases += [(torch.bfloat16, frozenset({"avx512_bf16", "amx_bf16"}), 48)]
     for dtype, units, rows in cases:
         got = low_bit_max_rows(avx512, dtype, True, interleaved=True, bf16_units=units)  # type: ignore[arg-type]
         assert got == rows, (dtype, units)

@@ -69,8 +69,10 @@ INTERLEAVED_INT8_BF16_AVX512_MAX_ROWS = 64
 # model 167; `rsgl bench one-batch --dtype bfloat16 --quantization gguf_a8 --input-len 100
 # --output-len 32 --low-bit-max-rows 64 / 1`, ms a step, two alternated runs, blocks vs
 # dense): 11.2 / 11.0 vs 28.6 / 29.5 at 8 rows, 18.9 / 20.4 vs 32.3 / 34.2 at 16, 38.9 /
-# 35.7 vs 42.5 / 39.9 at 32, 73.0 / 72.7 vs 61.4 / 55.0 at 64.
-INTERLEAVED_INT8_BF16_AMX_MAX_ROWS = 32
+# 35.7 vs 42.5 / 39.9 at 32, 73.0 / 72.7 vs 61.4 / 55.0 at 64; on another day (the same
+# alternation; the dense copy slower there) 57.0 / 58.0 vs 82.4 / 65.1 at 40, 72.3 / 76.0 vs
+# 78.7 / 89.7 at 48, 92.2 / 84.2 vs 92.4 / 82.1 at 64 (a tie).
+INTERLEAVED_INT8_BF16_AMX_MAX_ROWS = 48
 
 # Rows of bfloat16 activations up to which GGUF's blocks, interleaved, are multiplied by
 # AVX512-BF16's dot products (`uses_bf16_dot`) rather than the dense copy. SmolLM2's decode
@@ -134,7 +136,7 @@ def low_bit_max_rows(
     activations over load-time groups (no AVX-512 form) keep the exact kernels' limits
     there; over GGUF's interleaved blocks (AVX512-VNNI's dot products where the CPU has
     them) they serve every float32 batch wherever AVX2 runs, and 64 rows of bfloat16 with
-    AVX-512 (32 where the dense copy runs on AMX: `bf16_units`, default
+    AVX-512 (48 where the dense copy runs on AMX: `bf16_units`, default
     `cpu_bf16_features()`). Bfloat16 rows over GGUF's blocks through AVX512-BF16's dot
     products (`uses_bf16_dot`) serve up to `BF16_DOT_MAX_ROWS`, with AMX
     `AMX_BF16_DOT_MAX_ROWS`; on AMX's tiles themselves (`kernels.amx`) `AMX_TILES_MAX_ROWS`."""
