@@ -80,14 +80,14 @@ _KV_SUFFIXES: dict[torch.dtype, str] = {
 SCALED_KV_DTYPES = (torch.int8,)
 
 
-# Compile flags (the target's come from `kernel_march`: this CPU, or the level that
-# RSGL_CPU_FEATURES emulates). -ffast-math is for compiling only: a shared library *linked*
-# with it gets crtfastmath, which turns on flush-to-zero for the whole process, torch
-# included.
 # `RSGL_AMX=0` keeps the exact bfloat16 blocks on AVX512-BF16's dot products where AMX's
 # tiles would serve them (`CpuKernels.amx`).
 AMX_ENV = "RSGL_AMX"
 
+# Compile flags (the target's come from `kernel_march`: this CPU, or the level that
+# RSGL_CPU_FEATURES emulates). -ffast-math is for compiling only: a shared library *linked*
+# with it gets crtfastmath, which turns on flush-to-zero for the whole process, torch
+# included.
 _FLAGS = ["-O3", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC"]
 _LINK_FLAGS = ["-shared", "-fopenmp"]
 
@@ -311,9 +311,10 @@ class CpuKernels:
         native.argtypes, native.restype = [], ctypes.c_int
         # Whether `qlinear_x8b` runs on AVX512-BF16's dot products (else in plain C).
         self.x8b_native = bool(native())
-        # Whether `qlinear_x8b` runs on AMX's tiles (quant_a8.c's qlinear_amx), in every
-        # batch: where the kernels were built for AMX and Linux grants this process its
-        # tiles, unless `RSGL_AMX=0` (which keeps the dot products, to compare).
+        # Whether the exact bfloat16 blocks are laid out for AMX's tiles and multiplied on
+        # them (`pack_amx`, `qlinear_amx`), in every batch: where the kernels were built for
+        # AMX and Linux grants this process its tiles, unless `RSGL_AMX=0` (which keeps
+        # `qlinear_x8b`'s dot products, to compare).
         enable = lib.rsgl_amx_enable
         enable.argtypes, enable.restype = [], ctypes.c_int
         self.amx = os.environ.get(AMX_ENV, "1") != "0" and bool(enable())
