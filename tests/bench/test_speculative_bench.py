@@ -25,6 +25,11 @@ def test_copy_requests_end_with_the_answer(capsys: pytest.CaptureFixture[str]) -
     for r in rows:
         assert r["identical_outputs"] is True
         assert r["requests"] == 1
+        # Measured under both engine orders, and the ratio is their geometric mean.
+        by_order = r["ratio_by_order"]
+        assert isinstance(by_order, dict) and set(by_order) == {"plain_first", "spec_first"}
+        mean = (by_order["plain_first"] * by_order["spec_first"]) ** 0.5
+        assert r["ratio"] == pytest.approx(mean, abs=1e-3)
     # Greedy, the copy stops at the model's end of turn, well before the limit.
     assert 0 < rows[0]["output_tokens"] < 200  # type: ignore[operator]
 
@@ -42,6 +47,35 @@ def test_forced_lengths_and_the_verify_cost(capsys: pytest.CaptureFixture[str]) 
     # Free writing is forced to its length: two requests of 12 tokens, whatever they say.
     assert [r["output_tokens"] for r in served] == [24, 24]
     assert all(r["identical_outputs"] is True for r in served)
+
+
+def test_the_orders_combine_into_one_cell() -> None:
+    def cell(order: str, ratio: float, off: float, identical: bool) -> dict[str, object]:
+        return {
+            "order": order,
+            "workload": "free",
+            "temperature": 0.0,
+            "concurrency": 4,
+            "requests": 8,
+            "output_tokens": 1024,
+            "off_tok_s": off,
+            "on_tok_s": off * ratio,
+            "ratio": ratio,
+            "identical_outputs": identical,
+            "accept_length": 1.5,
+            "drafts_per_verify_step": 2.0,
+        }
+
+    # Built first, an engine serves 20% slower: one order's ratio is 0.8x the truth, the
+    # other's 1.25x, and the combined ratio is the truth.
+    row = speculative.combine_orders(
+        [cell("plain_first", 1.25, 80.0, True), cell("spec_first", 0.8, 100.0, False)]
+    )
+    assert row["ratio"] == 1.0
+    assert row["ratio_by_order"] == {"plain_first": 1.25, "spec_first": 0.8}
+    assert row["off_tok_s"] == 90.0 and row["on_tok_s"] == 90.0
+    assert row["identical_outputs"] is False
+    assert "order" not in row
 
 
 def test_an_unknown_workload_is_named() -> None:
