@@ -261,9 +261,11 @@ def workloads(args: argparse.Namespace) -> list[dict[str, Any]]:
 # VMs here, whichever engine a process builds first serves slower, whatever it is, and the
 # rounds' alternation cannot cancel that (it belongs to the engine, not to the minute): on a
 # Xeon (AMX), free writing at concurrency 1 measured speculation 1.068x (greedy) and 1.057x
-# (0.7) built second and 0.867x and 0.848x built first; two plain engines differed by 1-20%
-# (the cause is not known; with transparent huge pages for every allocation the gap shrank,
-# and both engines ran faster). So each cell runs under both orders, on fresh engines.
+# (0.7) built second and 0.867x and 0.848x built first. On one greedy prompt, two plain
+# engines differed by 1-4% (10% with the default pools), and a plain and a speculating one
+# with drafting forced off (the same steps) by 15-22% either way. The cause is not known
+# (with transparent huge pages for every allocation both engines ran faster and the orders'
+# gap shrank). So each cell runs under both orders, on fresh engines.
 ENGINE_ORDERS = (False, True)
 
 
