@@ -204,6 +204,9 @@ class Scheduler:
     @property
     def draft_limit(self) -> int:
         """The drafts per request a step may carry now (configured and `set_draft_limit`)."""
+    def take_shadow_accepts(self) -> list[int]:
+        """How many would-be verifies of the steps planned with a draft limit of 0 accepted
+        each number of drafts (index 0: none) since the last call; zeroed by the call."""
     def disable_speculation(self, rid: int) -> bool:
         """Stops a request from speculating; false when there is no such live request."""
     def commit_spec(

@@ -125,6 +125,17 @@ pub struct Request {
     /// that did not, one more than it accepted (where its text leaves what it copies, its
     /// next verifies stay short). Unbounded at first: the step's limit decides.
     pub spec_cap: usize,
+    /// The draft a verify would have carried after one of the request's plain steps, being
+    /// checked against the tokens plain steps commit instead (`Scheduler::take_shadow_accepts`).
+    pub shadow: Option<ShadowDraft>,
+}
+
+/// A would-be verify of a request that decodes without drafts: the drafts proposed after
+/// a commit, and how many of them the tokens committed since have matched.
+#[derive(Debug, Clone)]
+pub struct ShadowDraft {
+    pub draft: Vec<u32>,
+    pub matched: usize,
 }
 
 /// Longest pause, in decode steps, after verifies whose drafts were all rejected.
@@ -158,7 +169,37 @@ impl Request {
             spec_pause_left: 0,
             spec_pause: 0,
             spec_cap: usize::MAX,
+            shadow: None,
         }
+    }
+
+    /// After a verify of `drafts` drafts that accepted `accepted`: drafts that keep failing
+    /// cost a verify each, so an all-rejected verify pauses the request's drafting, longer
+    /// each time until one is accepted again; and its next drafts are capped
+    /// ([`spec_cap`](Self::spec_cap)).
+    pub fn verified(&mut self, drafts: usize, accepted: usize) {
+        if accepted == 0 {
+            self.spec_pause = (self.spec_pause + 1).min(MAX_SPEC_PAUSE);
+            self.spec_pause_left = self.spec_pause;
+        } else {
+            self.spec_pause = 0;
+        }
+        self.spec_cap = if accepted == drafts {
+            self.spec_cap.max(2 * drafts)
+        } else {
+            accepted + 1
+        };
+    }
+
+    /// The n-gram drafter over the committed tokens, brought up to date (built on first
+    /// use with windows `min..=max`); the caller puts it back in `drafter`.
+    pub fn updated_drafter(&mut self, min: usize, max: usize) -> NgramDrafter {
+        let mut drafter = self
+            .drafter
+            .take()
+            .unwrap_or_else(|| NgramDrafter::new(min, max));
+        drafter.extend((drafter.len()..self.fill_len()).map(|i| self.token_at(i)));
+        drafter
     }
 
     /// Committed tokens: prompt then output.

@@ -360,6 +360,8 @@ struct Driver {
     /// after one that accepted all of its `d` drafts at least `2d`, else one more than it
     /// accepted (none yet: no cap).
     caps: HashMap<u64, usize>,
+    /// Decode rows by the drafts they accepted (0: none, or no drafts).
+    accepts: Vec<u64>,
 }
 
 impl Driver {
@@ -454,6 +456,13 @@ impl Driver {
         }
         for (i, &k) in plan.draft_lens.iter().enumerate() {
             let rid = plan.rids[i] as u64;
+            if plan.mode == ForwardMode::Decode && got.contains_key(&rid) {
+                let accepted = lens[i] as usize - 1;
+                if self.accepts.len() <= accepted {
+                    self.accepts.resize(accepted + 1, 0);
+                }
+                self.accepts[accepted] += 1;
+            }
             if k > 0 && got.contains_key(&rid) {
                 let (drafts, accepted) = (k as usize, lens[i] as usize - 1);
                 let cap = self.caps.entry(rid).or_insert(usize::MAX);
@@ -559,6 +568,7 @@ fn run(setup: Setup, ops: Vec<Op>) {
         next_rid: 0,
         drafted: 0,
         caps: HashMap::new(),
+        accepts: Vec::new(),
     };
     let shared: Vec<Vec<u32>> = (0..3)
         .map(|g| (0..32).map(|i| 1 + (g * 5 + i * 3) % (VOCAB - 1)).collect())
@@ -839,6 +849,7 @@ fn serial_driver(s: Scheduler, accept: Accept, rng: u64) -> Driver {
         next_rid: 1,
         drafted: 0,
         caps: HashMap::new(),
+        accepts: Vec::new(),
     }
 }
 
@@ -980,4 +991,69 @@ fn a_requests_drafts_grow_while_accepted_and_shrink_when_rejected() {
     // A lower step limit caps a long run.
     s.set_draft_limit(1);
     assert_eq!(s.schedule().draft_lens, [1]);
+}
+
+/// Steps planned with a draft limit of 0 check the drafts a verify would have carried
+/// against the tokens they commit (`take_shadow_accepts`): for a greedy model, exactly the
+/// accepted counts that verifying every step gives (pauses and caps included), with or
+/// without overlap, while the outputs stay the model's.
+#[test]
+fn shadow_drafts_accept_what_verifies_accept() {
+    let prompts: [&[u32]; 3] = [&[3, 5, 7, 3, 5], &[1, 2, 3, 4, 5, 6], &[4, 4, 4, 9, 4, 4]];
+    let run = |limit: Option<usize>, overlap: bool| {
+        let cfg = SchedulerConfig {
+            max_total_tokens: 1024,
+            context_len: 256,
+            spec_num_draft_tokens: 6,
+            eos_token_ids: vec![EOS],
+            ..SchedulerConfig::default()
+        };
+        let mut d = serial_driver(Scheduler::new(cfg).unwrap(), Accept::Model, 1);
+        d.overlap = overlap;
+        if let Some(limit) = limit {
+            d.s.set_draft_limit(limit);
+        }
+        for (rid, prompt) in prompts.iter().enumerate() {
+            let limits = SamplingLimits {
+                max_new_tokens: 30 + 7 * rid,
+                ignore_eos: true,
+                ..SamplingLimits::default()
+            };
+            d.s.add_request(rid as u64, prompt.to_vec(), limits)
+                .unwrap();
+            d.exec.seqs.insert(rid as u64, prompt.to_vec());
+        }
+        while d.s.has_work() {
+            d.step();
+        }
+        for (rid, prompt) in prompts.iter().enumerate() {
+            assert_eq!(
+                d.outputs[&(rid as u64)],
+                reference(prompt, 30 + 7 * rid, true)
+            );
+        }
+        let mut shadow = d.s.take_shadow_accepts();
+        assert!(d.s.take_shadow_accepts().iter().all(|&n| n == 0), "zeroed");
+        while shadow.last() == Some(&0) {
+            shadow.pop();
+        }
+        (d.accepts, shadow)
+    };
+    let (verified, none) = run(None, false);
+    assert!(none.is_empty(), "verifying steps keep no shadows: {none:?}");
+    assert!(
+        verified.len() > 2,
+        "some verifies accept several drafts: {verified:?}"
+    );
+    for overlap in [false, true] {
+        let (rows, shadow) = run(Some(0), overlap);
+        assert_eq!(
+            rows.iter().skip(1).sum::<u64>(),
+            0,
+            "plain steps accept nothing"
+        );
+        assert_eq!(shadow, verified, "overlap {overlap}");
+    }
+    // A limit of 1 verifies: no shadows.
+    assert!(run(Some(1), false).1.is_empty());
 }

@@ -682,6 +682,7 @@ class SchedulerLoop:
                 limit=launched.draft_limit,
                 seconds=seconds,
                 accepted=None if accept_lens is None else (accept_lens - 1).tolist(),
+                shadow=self.core.take_shadow_accepts(),
             )
         if self._step_log is not None:
             record = dataclasses.asdict(StepShape.of(plan))

@@ -28,6 +28,16 @@ when each limit runs, and a share per request varies far less than a step's comm
 (1 to k + 1 at batch 1). Requests that do not draft (paused after rejections, constrained,
 no match) count as accepting none.
 
+While plain runs, n-gram drafting still measures every draft's reach: the core proposes
+each request the drafts a verify would carry and checks them against the tokens plain steps
+commit (shadow drafts, `Scheduler.take_shadow_accepts`), which is what the verify would
+have accepted (the same greedy tokens; for sampled ones, the same probability). So a group
+whose shadows say that no rung could save its margin does not measure the rungs, and does
+not try them for their seconds more often than `max_refresh_every` steps (a rung measured
+once is judged as if its steps had become `SECONDS_DRIFT` cheaper since); a workload whose
+drafts start to be accepted is seen on the next steps. A draft model has no shadows (its
+drafts cost a forward), and its groups try their rungs as described below.
+
 Steps planned with a draft limit wait for the step before them (whether or not any request
 found drafts); plain steps (limit 0) overlap. A step just after a change between the two
 adds no seconds: it pays the change (a plain step after a verify has nothing to overlap
@@ -71,6 +81,10 @@ from math import ceil, sqrt
 # steps 1/n each.
 ALPHA = 0.2
 REACH_ALPHA = 0.05
+# How much cheaper, relative to plain's, a rung's steps may have become since they were
+# last measured (the VM's drift within a minute, `DRAFT_MARGIN`'s): a rung that shadow
+# drafts say would lose even so is not tried for its seconds (`_Group.could_win`).
+SECONDS_DRIFT = 0.1
 # Steps of a try of a draft limit (the first is the change between drafting and plain, if
 # it is one).
 TRY_STEPS = 3
@@ -137,6 +151,7 @@ class _Group:
     judging: bool = False
     turned: bool = False
     upward: bool = True
+    shadowed: bool = False  # shadow drafts measured its reaches (n-gram drafts)
 
     def reaches(self, limit: int) -> list[float]:
         """The reaches of the first `limit` drafts, none above an earlier one's. A request
@@ -152,12 +167,45 @@ class _Group:
             capped.append(ceiling)
         return capped
 
+    def step_seconds(self, limit: int) -> float | None:
+        """Seconds per request of a step at `limit` (None: not measured yet): at least
+        plain's, once that is measured. A verify computes what a plain step computes and
+        more, and does not overlap: measured cheaper, it was measured at a faster moment
+        (on a Xeon at batch 1, free writing chose 1 draft for 14-43% of its steps, accepting
+        a draft on 1-2% of them, while that rung's steps cost 0-16% more than plain's)."""
+        seconds = self.seconds.get(limit)
+        if seconds is None:
+            return None
+        plain = self.seconds.get(0)
+        return seconds.value if limit == 0 or plain is None else max(seconds.value, plain.value)
+
     def cost(self, limit: int) -> float | None:
         """Expected seconds per committed token at `limit` (None: not measured yet)."""
-        seconds = self.seconds.get(limit)
+        seconds = self.step_seconds(limit)
         if seconds is None or len(self.reach) < limit:
             return None
-        return seconds.value / (1.0 + sum(self.reaches(limit)))
+        return seconds / (1.0 + sum(self.reaches(limit)))
+
+    def target(self, rungs: list[int], rung: int) -> float:
+        """The cost per token below which `rung` would be chosen: the choice's cost, or
+        plain's less the rung's margin while plain is the choice (plain is measured)."""
+        cheapest = self.cheapest(rungs)
+        best = self.cost(cheapest)
+        assert best is not None
+        return best if cheapest > 0 else (1.0 - self.margins[rung]) * best
+
+    def could_win(self, rungs: list[int], rung: int) -> bool:
+        """Whether a try of drafting rung `rung` could turn the choice to it: while plain
+        is the choice and shadow drafts keep every draft's reach current, whether it would
+        win were its steps `SECONDS_DRIFT` cheaper than last measured (no cheaper than
+        plain's; unknown: plain's). Otherwise it could: reaches of drafts above a drafting
+        choice are measured only by tries, and a draft model has no shadows."""
+        seconds, plain = self.seconds.get(rung), self.seconds.get(0)
+        if not self.shadowed or plain is None or self.cheapest(rungs) > 0:
+            return True
+        low = plain.value if seconds is None else (1.0 - SECONDS_DRIFT) * seconds.value
+        low = max(low, plain.value)
+        return low / (1.0 + sum(self.reaches(rung))) < self.target(rungs, rung)
 
     def chosen(self, rungs: list[int]) -> int | None:
         """The measured rung that costs least per committed token of those that save their
@@ -184,23 +232,27 @@ class _Group:
         cheapest (None: every such rung is measured)."""
         if self.cost(rungs[0]) is None:
             return rungs[0]
+        top = rungs[-1]
+        # Every draft's reach is current while plain is the choice and shadows measure it;
+        # while a rung drafts, those of the drafts above it are measured by its tries only.
+        known = self.shadowed and self.cheapest(rungs) == 0
         for below, rung in zip(rungs, rungs[1:], strict=False):
             if self.cost(rung) is not None:
                 continue
-            if below == 0:
+            if below == 0 and not known:
                 return rung  # nothing is known of the drafts' acceptance yet
-            cheapest = self.cheapest(rungs)
-            best = self.cost(cheapest)
-            assert best is not None
             # Against plain: the smallest margin of the rungs still to measure.
-            margin = min(self.margins[r] for r in rungs if r >= rung)
-            target = best if cheapest > 0 else (1.0 - margin) * best
-            # At best: the steps of this rung and those above it cost the rung below's,
-            # every added draft reaches as far as the last one measured. The top rung adds
-            # the most drafts.
-            reaches = self.reaches(below)
-            added = (rungs[-1] - below) * reaches[-1]
-            seconds, tokens = self.seconds[below].value, 1.0 + sum(reaches) + added
+            target = max(self.target(rungs, r) for r in rungs if r >= rung)
+            # At best: the steps of this rung and those above it cost the rung below's, and
+            # the top rung's drafts are accepted as often as measured (unknown: every added
+            # draft reaches as far as the last one measured). The top rung adds the most.
+            if known:
+                tokens = 1.0 + sum(self.reaches(top))
+            else:
+                reaches = self.reaches(below)
+                tokens = 1.0 + sum(reaches) + (top - below) * reaches[-1]
+            seconds = self.step_seconds(below)
+            assert seconds is not None
             return rung if seconds / tokens < target else None
         return None
 
@@ -219,6 +271,9 @@ class DraftPolicy:
     low_bit_rows: int | None = None
     explore_every: int = 64
     max_explore_every: int = 256
+    # Most steps between tries of a rung that shadow drafts say would lose (`could_win`):
+    # its seconds, relative to plain's, are measured afresh this often all the same.
+    max_refresh_every: int = 1024
     explore_budget: float = EXPLORE_BUDGET
     baseline_budget: float = EXPLORE_BUDGET  # the same for tries of plain (`_plain_every`)
     groups: dict[int, _Group] = field(default_factory=dict)
@@ -268,6 +323,12 @@ class DraftPolicy:
         neighbours = self.rungs[max(0, at - 1) : at] + self.rungs[at + 1 : at + 2]
         trial = neighbours[-1] if group.upward else neighbours[0]
         group.upward = not group.upward
+        if (
+            trial > 0
+            and not group.could_win(self.rungs, trial)
+            and group.since_try < self.max_refresh_every
+        ):
+            return chosen  # shadow drafts say it would lose: its steps need no new measure
         return self._try(group, trial, judging=True)
 
     def _group(self, size: int) -> _Group:
@@ -328,10 +389,18 @@ class DraftPolicy:
         return limit
 
     def observe(
-        self, batch: int, limit: int, seconds: float, accepted: Sequence[int] | None = None
+        self,
+        batch: int,
+        limit: int,
+        seconds: float,
+        accepted: Sequence[int] | None = None,
+        shadow: Sequence[int] | None = None,
     ) -> None:
         """A decode step of `batch` requests, planned with draft limit `limit`, took
-        `seconds`, and its requests accepted `accepted` drafts each (None: none)."""
+        `seconds`, and its requests accepted `accepted` drafts each (None: none). `shadow`
+        (a plain step's): how many would-be verifies resolved since the last step accepted
+        each number of drafts (`Scheduler.take_shadow_accepts`), which measure the reach of
+        every draft while none is verified."""
         self.batch = batch
         last, self._last_limit = self._last_limit, limit
         if batch <= 0:
@@ -346,6 +415,16 @@ class DraftPolicy:
             # Reaches above the choice are measured by tries only: their steps weigh more.
             alpha = ALPHA if before is not None and j >= before else steady
             group.reach[j].add(1.0 - bisect_right(counts, j) / batch, alpha)
+        counted = list(shadow or ()) if limit == 0 else []
+        if resolved := sum(counted):
+            group.shadowed = True
+            while len(group.reach) < self.max_drafts:
+                group.reach.append(_Average())
+            counted += [0] * self.max_drafts
+            beyond, alpha = resolved, min(ALPHA, REACH_ALPHA * sqrt(resolved))
+            for j in range(self.max_drafts):
+                beyond -= counted[j]  # would-be verifies accepting more than j drafts
+                group.reach[j].add(beyond / resolved, alpha)
         if last is None or (last > 0) == (limit > 0):  # not the step of a change of way
             group.seconds.setdefault(limit, _Average()).add(seconds / batch, ALPHA)
         after = group.chosen(self.rungs)

@@ -240,6 +240,12 @@ impl PyScheduler {
         self.inner.draft_limit()
     }
 
+    /// How many would-be verifies of the steps planned with a draft limit of 0 accepted
+    /// each number of drafts (index 0: none) since the last call; zeroed by the call.
+    fn take_shadow_accepts(&mut self) -> Vec<u64> {
+        self.inner.take_shadow_accepts()
+    }
+
     /// Stops a request from speculating; false when there is no such live request.
     fn disable_speculation(&mut self, rid: u64) -> bool {
         self.inner.disable_speculation(rid)

@@ -105,7 +105,7 @@ impl Scheduler {
             let a = accept_lens.map_or(1, |l| l[i] as usize);
             let run = &tokens[offset..offset + a];
             offset += a;
-            self.commit_entry(e, run, &mut out);
+            self.commit_entry(e, run, flight.shadow, &mut out);
         }
         for e in &flight.entries {
             let Some(req) = self.reqs[e.idx].as_mut() else {
@@ -126,8 +126,9 @@ impl Scheduler {
         Ok(out)
     }
 
-    /// Commits one request's accepted `run` of tokens from one step.
-    fn commit_entry(&mut self, e: &Entry, run: &[i64], out: &mut Outcome) {
+    /// Commits one request's accepted `run` of tokens from one step (`shadow`: the step's
+    /// plain tokens check shadow drafts).
+    fn commit_entry(&mut self, e: &Entry, run: &[i64], shadow: bool, out: &mut Outcome) {
         let req = self.reqs[e.idx]
             .as_mut()
             .expect("in-flight requests stay live");
@@ -156,21 +157,14 @@ impl Scheduler {
                 self.counters.generated_tokens += appended as u64;
                 self.counters.accepted_draft_tokens += run.len() as u64 - 1;
                 if e.draft_len > 0 {
-                    // Drafts that keep failing cost a verify each: pause them, longer each
-                    // time, until one is accepted again.
-                    if run.len() == 1 {
-                        req.spec_pause = (req.spec_pause + 1).min(MAX_SPEC_PAUSE);
-                        req.spec_pause_left = req.spec_pause;
-                    } else {
-                        req.spec_pause = 0;
-                    }
-                    let accepted = run.len() - 1;
-                    req.spec_cap = if accepted == e.draft_len {
-                        req.spec_cap.max(2 * e.draft_len)
-                    } else {
-                        accepted + 1
-                    };
+                    req.verified(e.draft_len, run.len() - 1);
                 }
+            }
+            if !shadow {
+                req.shadow = None; // a verify step: its shadow no longer follows it
+            } else if req.finish.is_none() {
+                let token = req.output[req.output.len() - 1];
+                self.check_shadow(e.idx, token, finish.is_some());
             }
         }
         if e.draft_len > 0 {

@@ -32,7 +32,7 @@ use crate::drafter::MAX_WINDOW;
 use crate::policy::{self, Candidate, Policy, SplitMix64};
 use crate::pool::{ReqSlotPool, Slot, TokenPool};
 use crate::radix::{NodeId, RadixTree, ROOT};
-use crate::request::{FinishReason, ReqState, Request, Rid, SamplingLimits, MAX_SPEC_PAUSE};
+use crate::request::{FinishReason, ReqState, Request, Rid, SamplingLimits};
 
 /// Input-token placeholder: "the token most recently sampled for this request slot".
 pub const FUTURE_TOKEN: i64 = -1;
@@ -77,6 +77,9 @@ pub struct Scheduler {
     /// Most drafts per request the caller allows now (`set_draft_limit`; at most the
     /// configured `max_drafts`): how an adaptive caller turns speculation down or off.
     draft_limit: usize,
+    /// How many would-be verifies of plain steps accepted each number of drafts
+    /// (`take_shadow_accepts`).
+    shadow_accepts: Vec<u64>,
 }
 
 impl Scheduler {
@@ -133,6 +136,7 @@ impl Scheduler {
             counters: Counters::default(),
             scratch: Vec::new(),
             draft_limit: usize::MAX,
+            shadow_accepts: vec![0; cfg.max_drafts() + 1],
             cfg,
         })
     }
@@ -316,9 +320,12 @@ impl Scheduler {
             for e in &entries {
                 self.req_mut(e.idx).inflight_steps += 1;
             }
+            let shadow =
+                self.cfg.max_drafts() > 0 && self.draft_limit() == 0 && !self.cfg.spec_draft_model;
             self.inflight.push_back(InFlight {
                 id: plan.id,
                 entries,
+                shadow,
             });
         }
         plan

@@ -195,6 +195,8 @@ pub(super) struct Entry {
 pub(super) struct InFlight {
     pub(super) id: u64,
     pub(super) entries: Vec<Entry>,
+    /// Planned with drafting allowed but a draft limit of 0: its commits check shadow drafts.
+    pub(super) shadow: bool,
 }
 
 /// A request chosen for this round's prefill, before its slots are allocated.

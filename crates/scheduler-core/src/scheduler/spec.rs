@@ -2,7 +2,7 @@
 //! tokens only) and giving back the KV of rejected drafts on commit.
 
 use super::*;
-use crate::drafter::NgramDrafter;
+use crate::request::ShadowDraft;
 
 impl Scheduler {
     /// Proposes drafts (`Request::draft`) for the requests of `reqs` whose last token is
@@ -64,13 +64,85 @@ impl Scheduler {
                 req.draft.resize(k, 0); // the runner's draft model fills them
                 continue;
             }
-            let mut drafter = req
-                .drafter
-                .take()
-                .unwrap_or_else(|| NgramDrafter::new(min, max));
-            drafter.extend((drafter.len()..req.fill_len()).map(|i| req.token_at(i)));
+            let drafter = req.updated_drafter(min, max);
             req.draft.extend_from_slice(drafter.propose(k));
             req.drafter = Some(drafter);
+        }
+    }
+
+    /// How many would-be verifies of plain steps accepted each number of drafts (index 0:
+    /// none, up to the configured most) since the last call; then zeroes them. Steps planned
+    /// with n-gram drafting allowed but a draft limit of 0 (see `check_shadow`) count them,
+    /// so that a caller choosing the limit knows what drafting would accept while it runs
+    /// none.
+    pub fn take_shadow_accepts(&mut self) -> Vec<u64> {
+        let counts = self.shadow_accepts.clone();
+        self.shadow_accepts.fill(0);
+        counts
+    }
+
+    /// A step planned with a draft limit of 0 committed `token` for request `idx`: the
+    /// token checks the request's shadow draft, the drafts a verify would have carried
+    /// (proposed after an earlier commit, as `propose_drafts` would have: pauses and caps
+    /// included). A shadow is resolved by the first token that differs from its next draft
+    /// (the verify's bonus token) or by the token after its last draft, and counts its
+    /// matched drafts in `shadow_accepts`: exactly the drafts the verify would have
+    /// accepted, for greedy requests (it compares them with the same argmax tokens), and
+    /// with the same probability for sampled ones (a sampled token equals a deterministic
+    /// draft with the probability that the exact rule accepts the draft with). The token
+    /// that resolves one starts the next; a request that would not draft (paused,
+    /// constrained, no match) counts a verify that accepts none. `finished`: the token ends
+    /// the request, and resolves its shadow with what it matched.
+    pub(super) fn check_shadow(&mut self, idx: usize, token: u32, finished: bool) {
+        let (min, max, context) = (
+            self.cfg.spec_ngram_min_window,
+            self.cfg.spec_ngram_max_window,
+            self.cfg.context_len,
+        );
+        let k_max = self.cfg.max_drafts();
+        let req = self.reqs[idx]
+            .as_mut()
+            .expect("committed requests stay live");
+        if let Some(shadow) = req.shadow.as_mut() {
+            let drafts = shadow.draft.len();
+            let hit = shadow.matched < drafts && shadow.draft[shadow.matched] == token;
+            shadow.matched += usize::from(hit);
+            if hit && !finished {
+                return;
+            }
+            let matched = shadow.matched;
+            req.shadow = None;
+            req.verified(drafts, matched);
+            self.shadow_accepts[matched] += 1;
+        }
+        if finished {
+            return;
+        }
+        if !req.may_speculate {
+            self.shadow_accepts[0] += 1;
+            return;
+        }
+        if req.spec_pause_left > 0 {
+            req.spec_pause_left -= 1;
+            self.shadow_accepts[0] += 1;
+            return;
+        }
+        // As `propose_drafts` caps a verify's drafts, counting committed tokens only.
+        let k = k_max
+            .min(req.spec_cap)
+            .min(
+                req.limits
+                    .max_new_tokens
+                    .saturating_sub(req.output.len() + 1),
+            )
+            .min(context.saturating_sub(req.fill_len() + 1));
+        let drafter = req.updated_drafter(min, max);
+        let draft = drafter.propose(k).to_vec();
+        req.drafter = Some(drafter);
+        if draft.is_empty() {
+            self.shadow_accepts[0] += 1;
+        } else {
+            req.shadow = Some(ShadowDraft { draft, matched: 0 });
         }
     }
 
