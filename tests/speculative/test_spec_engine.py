@@ -272,6 +272,21 @@ def test_the_policy_knows_where_steps_leave_the_low_bit_weights(spec: Engine) ->
     assert policy._group(DraftPolicy.group_of(rows)).margins[1] == DENSE_MARGIN
 
 
+def test_plain_steps_measure_the_drafts_reach_with_shadow_drafts() -> None:
+    # A fresh engine measures plain steps first: their commits check the drafts a verify
+    # would have carried, and the policy learns every draft's reach from them.
+    with make_engine(**SPEC) as engine:
+        engine.generate(PROMPTS[1], {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True})
+        policy = engine._loop.draft_policy
+        assert policy is not None
+        group = policy.groups[1]
+        assert group.shadowed and len(group.reach) == policy.max_drafts
+        # The counting of "1, 2, 3, ..." is copied from its prompt: some draft would be
+        # accepted, so the first draft's reach is above zero.
+        assert group.reach[0].value > 0
+        engine.check_integrity()
+
+
 def test_speculation_turns_mixed_chunks_off(plain: Engine) -> None:
     # A mixed step's prefill rows are no verify rows (a non-final chunk samples nothing).
     with make_engine(enable_mixed_chunk=True, chunked_prefill_size=16, **SPEC) as llm:
