@@ -249,7 +249,7 @@ class _Group:
             return rungs[0]
         top = rungs[-1]
         # Every draft's reach is known once enough shadows measured it (a group's first few
-        # at batch 1 may be a copy's preamble, which drafts nothing the copy would not).
+        # at batch 1 may come from a copy's preamble, before anything is copied).
         known = self.shadows >= SHADOWS_KNOWN
         for below, rung in zip(rungs, rungs[1:], strict=False):
             if self.cost(rung) is not None:
