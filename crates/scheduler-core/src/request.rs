@@ -191,6 +191,20 @@ impl Request {
         };
     }
 
+    /// The most drafts a verify after the committed tokens may carry: at most `k_max` and
+    /// the request's cap, and few enough that the `1 + k` tokens it may commit stay within
+    /// `max_new_tokens` and a context of `context` tokens.
+    pub fn draft_room(&self, k_max: usize, context: usize) -> usize {
+        k_max
+            .min(self.spec_cap)
+            .min(
+                self.limits
+                    .max_new_tokens
+                    .saturating_sub(self.output.len() + 1),
+            )
+            .min(context.saturating_sub(self.fill_len() + 1))
+    }
+
     /// The n-gram drafter over the committed tokens, brought up to date (built on first
     /// use with windows `min..=max`); the caller puts it back in `drafter`.
     pub fn updated_drafter(&mut self, min: usize, max: usize) -> NgramDrafter {

@@ -53,10 +53,7 @@ impl Scheduler {
                 req.spec_pause_left -= 1; // its recent drafts were all rejected
                 continue;
             }
-            let k = k_max
-                .min(req.spec_cap)
-                .min(req.remaining_new_tokens().saturating_sub(1))
-                .min(context.saturating_sub(req.fill_len() + 1));
+            let k = req.draft_room(k_max, context);
             if k == 0 {
                 continue;
             }
@@ -127,15 +124,7 @@ impl Scheduler {
             self.shadow_accepts[0] += 1;
             return;
         }
-        // As `propose_drafts` caps a verify's drafts, counting committed tokens only.
-        let k = k_max
-            .min(req.spec_cap)
-            .min(
-                req.limits
-                    .max_new_tokens
-                    .saturating_sub(req.output.len() + 1),
-            )
-            .min(context.saturating_sub(req.fill_len() + 1));
+        let k = req.draft_room(k_max, context);
         let drafter = req.updated_drafter(min, max);
         let draft = drafter.propose(k).to_vec();
         req.drafter = Some(drafter);
