@@ -50,6 +50,9 @@ GRAMMAR_BACKENDS = ("xgrammar", "llguidance", "none")
 
 # Speculative decoding algorithms (SGLang's names).
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
+# Values of --speculative-algorithm: an algorithm, none (off; None too, SGLang's default),
+# or auto (rsgl.speculative.choice: NGRAM where it was measured to pay, else off).
+SPECULATIVE_CHOICES = ("auto", "none", *SPECULATIVE_ALGORITHMS)
 
 # Tokens a verify step computes per request unless --speculative-num-draft-tokens says. NGRAM:
 # on a 2-core Zen 3, copying at concurrency 1 served 2.68x plain's tok/s with 8 and 2.40x
@@ -213,13 +216,14 @@ class EngineArgs:
         choices=list(REASONING_PARSERS),
     )
     speculative_algorithm: str | None = option(
-        None,
+        "auto",
         "speculative decoding (SGLang's name): NGRAM drafts each request's next tokens from "
         "its own prompt and output, STANDALONE from a draft model "
         "(--speculative-draft-model-path), and one forward verifies them (greedy output is "
         "unchanged, sampled output keeps its distribution); a step with drafts waits for the "
-        "step before it, steps without drafts overlap",
-        choices=list(SPECULATIVE_ALGORITHMS),
+        "step before it, steps without drafts overlap. auto: NGRAM where it was measured to "
+        "pay (bfloat16 on a CPU's AMX tiles, one rank, one replica), else none (off)",
+        choices=list(SPECULATIVE_CHOICES),
     )
     speculative_num_draft_tokens: int | None = option(
         None,
@@ -362,10 +366,10 @@ class EngineArgs:
 
     def _check_speculative(self) -> None:
         """ValueError naming what is wrong with the speculative options."""
-        if self.speculative_algorithm not in (None, *SPECULATIVE_ALGORITHMS):
+        if self.speculative_algorithm not in (None, *SPECULATIVE_CHOICES):
             raise ValueError(
                 f"invalid speculative_algorithm {self.speculative_algorithm!r}: expected one "
-                f"of {', '.join(SPECULATIVE_ALGORITHMS)}"
+                f"of {', '.join(SPECULATIVE_CHOICES)}"
             )
         if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 1:
             raise ValueError(
@@ -402,8 +406,9 @@ class EngineArgs:
 
     @property
     def speculates(self) -> bool:
-        """Whether requests are decoded speculatively (drafts verified in one forward)."""
-        return self.speculative_algorithm is not None and self.verified_tokens > 1
+        """Whether requests are decoded speculatively (drafts verified in one forward);
+        False for auto until `rsgl.speculative.choice` resolves it."""
+        return self.speculative_algorithm in SPECULATIVE_ALGORITHMS and self.verified_tokens > 1
 
     @property
     def verified_tokens(self) -> int:

@@ -33,6 +33,7 @@ from rsgl.models.config import ModelConfig
 from rsgl.models.dtype_choice import DtypeChoice, choose_dtype
 from rsgl.reasoning import reasoning_end_ids
 from rsgl.scheduler.loop import Emit, SchedulerLoop
+from rsgl.speculative.choice import SpeculationChoice, choose_speculation, resolved
 from rsgl.tokenizer.loader import load_tokenizer
 
 if TYPE_CHECKING:
@@ -64,6 +65,8 @@ class ModelStack:
     kv_cache_dtype: str
     dtype_choice: DtypeChoice
     cpu_threads: int
+    # The speculative algorithm the core runs (`--speculative-algorithm` resolved) and why.
+    speculation: SpeculationChoice
     # Every tensor-parallel rank's slice of the model; empty with tp_size 1.
     tp_shards: tuple[TPShard, ...] = ()
     # The CPUs the compute threads are pinned to, one each (`--cpu-omp-threads-bind`);
@@ -76,6 +79,9 @@ class ModelStack:
         return {
             "dtype": self.dtype_choice.chosen,
             "dtype_choice": self.dtype_choice.to_dict(),
+            # SGLang's key, with auto resolved (None: off), and why.
+            "speculative_algorithm": self.speculation.chosen,
+            "speculation_choice": self.speculation.to_dict(),
             "cpu_threads": self.cpu_threads,
             "compute_cpus": list(self.compute_cpus),
             # How the weights are held (`--quantization` resolved: gguf or none).
@@ -133,8 +139,10 @@ def _load_stack(args: EngineArgs, cpu_threads: int) -> ModelStack:
             f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})"
         )
     choice = choose_dtype(args.dtype, device)
+    speculation = choose_speculation(args, device.type, choice)
+    args = resolved(args, speculation)
     if args.tp_size > 1:
-        return _tp_stack(args, device, choice, cpu_threads)
+        return _tp_stack(args, device, choice, speculation, cpu_threads)
     loaded = load_model(
         args.model_path,
         device=device,
@@ -189,11 +197,16 @@ def _load_stack(args: EngineArgs, cpu_threads: int) -> ModelStack:
         kv_name,
         choice,
         cpu_threads,
+        speculation,
     )
 
 
 def _tp_stack(
-    args: EngineArgs, device: torch.device, choice: DtypeChoice, cpu_threads: int
+    args: EngineArgs,
+    device: torch.device,
+    choice: DtypeChoice,
+    speculation: SpeculationChoice,
+    cpu_threads: int,
 ) -> ModelStack:
     """Rank 0 of a tensor-parallel group: starts the followers, loads rank 0's shard, sizes
     the core, and returns a stack whose runner sends every step to the followers
@@ -274,6 +287,7 @@ def _tp_stack(
         kv_name,
         choice,
         cpu_threads,
+        speculation,
         tuple(shards),
     )
 
@@ -311,6 +325,8 @@ def _null_stack(args: EngineArgs, cpu_threads: int) -> ModelStack:
         choice = DtypeChoice("float32", "load format null runs no model")
     else:
         choice = DtypeChoice(args.dtype, "forced by --dtype", args.dtype)
+    speculation = choose_speculation(args, "cpu", choice)
+    args = resolved(args, speculation)
     model_dir = resolve_model_dir(args.model_path)
     config = ModelConfig.from_model_dir(model_dir)
     context_length = args.context_length or config.max_position_embeddings
@@ -334,6 +350,7 @@ def _null_stack(args: EngineArgs, cpu_threads: int) -> ModelStack:
         "none",
         choice,
         cpu_threads,
+        speculation,
     )
 
 

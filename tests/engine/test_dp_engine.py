@@ -106,6 +106,7 @@ def test_errors_abort_flush_and_server_info_behave_as_with_one_rank(dp2: Engine)
     assert all(s["evictable"] == 0 for s in dp2.get_server_info()["internal_states"])
     info = dp2.get_server_info()
     assert info["dp_size"] == 2 and info["dtype"] == "float32"
+    assert info["speculative_algorithm"] is None  # auto's choice, from rank 0's facts
     assert info["max_total_tokens"] == 16384 and info["context_length"] == 8192
     assert [s["dp_rank"] for s in info["internal_states"]] == [0, 1]
     assert info["stats"]["requests"] == sum(s["requests"] for s in info["internal_states"])

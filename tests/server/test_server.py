@@ -78,6 +78,9 @@ def test_server_info_reports_the_dtype_choice_and_threads(server: str) -> None:
     assert info["dtype"] == "float32"
     assert info["dtype_choice"]["chosen"] == "float32"
     assert info["dtype_choice"]["requested"] == "float32"
+    # auto speculation stays off in float32 (rsgl.speculative.choice), and says why.
+    assert info["speculative_algorithm"] is None
+    assert info["speculation_choice"]["reason"] == "measured to pay only with bfloat16 on AMX tiles"
     assert info["cpu_threads"] >= 1
     # One model process (no --cpu-threads, auto binding): a thread per core, each pinned to
     # its own core's first CPU, where the cores are enough (this process shares the

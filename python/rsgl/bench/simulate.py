@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--output-file", default=None, help="append the JSON result line here")
     add_cli_args(parser, EngineArgs)  # the engine's options, as rsgl serve's
+    # The cost models price plain steps: the servers validated against (and the steps
+    # calibrated) decode without speculation unless it is asked for.
+    parser.set_defaults(speculative_algorithm="none")
     return parser
 
 

@@ -303,11 +303,12 @@ def _order_cells(args: argparse.Namespace, spec_first: bool) -> list[dict[str, A
     }
     if args.num_draft_tokens is not None:
         spec_options["speculative_num_draft_tokens"] = args.num_draft_tokens
+    plain_options = {**options, "speculative_algorithm": "none"}  # not auto's choice
     if spec_first:
         spec = Engine(**options, **spec_options)
-        plain = Engine(**options)
+        plain = Engine(**plain_options)
     else:
-        plain = Engine(**options)
+        plain = Engine(**plain_options)
         spec = Engine(**options, **spec_options)
     order = "spec_first" if spec_first else "plain_first"
     rows: list[dict[str, Any]] = []

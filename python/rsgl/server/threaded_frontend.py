@@ -32,6 +32,8 @@ _MODEL_NAME = "rsgl-engine"
 _MODEL_FACTS = (
     "dtype",
     "dtype_choice",
+    "speculative_algorithm",
+    "speculation_choice",
     "quantization",
     "low_bit_max_rows",
     "cpu_threads",
