@@ -398,11 +398,6 @@ class EngineArgs:
             )
         if standalone and self.load_format == "null":
             raise ValueError("STANDALONE speculation needs a model (load_format null has none)")
-        if standalone and self.tp_size > 1:
-            raise ValueError(
-                "speculative_algorithm STANDALONE with tp_size > 1 is not supported yet (its "
-                "draft model is not sharded; use NGRAM, or dp_size)"
-            )
 
     @property
     def speculates(self) -> bool:

@@ -38,6 +38,7 @@ from rsgl.tokenizer.loader import load_tokenizer
 
 if TYPE_CHECKING:
     from rsgl.distributed.sharding import TPShard
+    from rsgl.models.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -154,18 +155,7 @@ def _load_stack(args: EngineArgs, cpu_threads: int) -> ModelStack:
         quantization_group_size=args.quantization_group_size,
     )
     context_length = args.context_length or loaded.config.max_position_embeddings
-    draft = None
-    if args.speculates and args.speculative_algorithm == "STANDALONE":
-        draft = load_model(
-            args.speculative_draft_model_path or args.model_path,
-            device=device,
-            dtype=choice.torch_dtype,
-            max_positions=context_length,  # the target's positions, whatever the draft's
-            load_format=args.speculative_draft_load_format or args.load_format,
-            seed=args.seed + 1,  # dummy weights unlike the target's
-            quantization=args.quantization,
-            quantization_group_size=args.quantization_group_size,
-        )
+    draft = _load_draft(args, device, choice, context_length)
     tokenizer = load_tokenizer(args.tokenizer_path or loaded.model_dir)
     max_total_tokens = args.max_total_tokens or _pool_tokens(
         args, loaded.config, loaded.dtype, draft_config=None if draft is None else draft.config
@@ -198,6 +188,27 @@ def _load_stack(args: EngineArgs, cpu_threads: int) -> ModelStack:
         choice,
         cpu_threads,
         speculation,
+    )
+
+
+def _load_draft(
+    args: EngineArgs, device: torch.device, choice: DtypeChoice, context_length: int
+) -> LoadedModel | None:
+    """STANDALONE speculation's draft model, whole (on rank 0 under tensor parallelism), or
+    None without one."""
+    from rsgl.models.loader import load_model
+
+    if not (args.speculates and args.speculative_algorithm == "STANDALONE"):
+        return None
+    return load_model(
+        args.speculative_draft_model_path or args.model_path,
+        device=device,
+        dtype=choice.torch_dtype,
+        max_positions=context_length,  # the target's positions, whatever the draft's
+        load_format=args.speculative_draft_load_format or args.load_format,
+        seed=args.seed + 1,  # dummy weights unlike the target's
+        quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
     )
 
 
@@ -248,8 +259,12 @@ def _tp_stack(
             quantization_group_size=args.quantization_group_size,
         )
         context_length = args.context_length or config.max_position_embeddings
+        draft = _load_draft(args, device, choice, context_length)
         tokenizer = load_tokenizer(args.tokenizer_path or model_dir)
-        max_total_tokens = args.max_total_tokens or _pool_tokens(args, config, loaded.dtype, shards)
+        draft_config = None if draft is None else draft.config
+        max_total_tokens = args.max_total_tokens or _pool_tokens(
+            args, config, loaded.dtype, shards, draft_config
+        )
         core = build_core(args, max_total_tokens, context_length, config)
         spec = RunnerSpec(
             kv_buffer_size=core.kv_buffer_size,
@@ -258,6 +273,7 @@ def _tp_stack(
             attention_backend=args.attention_backend,
             kv_cache_dtype=args.kv_cache_dtype,
             endpoints={},
+            drafts_from_rank0=draft is not None,
         )
         runner = start_runner(
             followers,
@@ -270,8 +286,10 @@ def _tp_stack(
             kv_cache_dtype=spec.kv_cache_dtype,
             seed=args.seed,
             cuda_graph_max_bs=args.cuda_graph_max_bs,
-            disable_cuda_graph=args.disable_cuda_graph,
+            disable_cuda_graph=args.disable_cuda_graph or draft is not None,
         )
+        if draft is not None:
+            runner.attach_draft(draft)
     except BaseException:
         followers.close(kill=True)
         raise

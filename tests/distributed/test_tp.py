@@ -54,6 +54,11 @@ PROMPTS = [
     "Translate to French: good morning, my friend.",
     # Over 100 tokens: prefilled in chunks of 64.
     "Summarize: " + " ".join(f"Item {i} costs {3 * i + 1} dollars." for i in range(20)),
+    # Copied rare words: ids in rank 1's half of the vocabulary (each rank embeds its own
+    # half), which drafts carry too; a rank without rank 0's drafts would embed zeros.
+    "Words: addicted, treasured, psychiatrist, prolific, evacuate, Buckingham, blossoms, "
+    "Midwest, Thoreau, primordial, bonsai, pumpkin, Augusta, Beethoven, jade, Clayton.\n"
+    "The same words again: addicted, treasured,",
 ]
 # A near-tie may legitimately flip between TP=1 and TP=2 (float32 sums in another order);
 # anything wider is a bug.
@@ -345,12 +350,18 @@ def test_an_int8_kv_cache_shards_like_tp1s(reference: dict[str, Any]) -> None:
     assert all(len(o["output_ids"]) == GREEDY["max_new_tokens"] for o in outs)
 
 
-def test_ngram_speculation_keeps_tp1s_tokens(reference: dict[str, Any]) -> None:
+@pytest.mark.parametrize(("algorithm", "min_accept_length"), [("NGRAM", 1.2), ("STANDALONE", 3.0)])
+def test_speculation_keeps_tp1s_tokens(
+    reference: dict[str, Any], algorithm: str, min_accept_length: float
+) -> None:
     # A verify step gathers its logits on every rank, so every rank accepts the same drafts
     # and samples the same next token (seeded, under the same penalties and grammar mask),
-    # and its request state stays rank 0's for the steps after it. Drafting on every step
-    # (not adaptive), so that every kind of request verifies drafts here.
-    spec = {"speculative_algorithm": "NGRAM", "disable_speculative_adaptive": True}
+    # and its request state stays rank 0's for the steps after it. NGRAM's drafts are in
+    # the step's plan; STANDALONE's come from rank 0's draft model (here the embedded
+    # model itself, whole, so its drafts are TP=1's tokens), and every rank takes them from
+    # rank 0. Drafting on every step (not adaptive), so that every kind of request verifies
+    # drafts here.
+    spec = {"speculative_algorithm": algorithm, "disable_speculative_adaptive": True}
     with rsgl.Engine(tp_size=2, **OPTIONS, **spec) as engine:
         rounds = generate_twice(engine)
         sampled = engine.generate(PROMPTS[: len(SAMPLED)], SAMPLED)
@@ -366,7 +377,8 @@ def test_ngram_speculation_keeps_tp1s_tokens(reference: dict[str, Any]) -> None:
     assert [o["output_ids"] for o in constrained] == [
         o["output_ids"] for o in reference["constrained"]
     ]
-    assert stats["spec_verify_steps"] > 0 and stats["spec_accept_length"] > 1.2, stats
+    assert stats["spec_verify_steps"] > 0, stats
+    assert stats["spec_accept_length"] > min_accept_length, stats
 
 
 def test_k_quant_groups_shard_like_tp1s(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -81,9 +81,8 @@ def test_num_steps_sets_the_drafts_per_verify() -> None:
         EngineArgs(speculative_algorithm="NGRAM", speculative_draft_model_path="x")
     with pytest.raises(ValueError, match="speculative_num_steps must be at least 1"):
         EngineArgs(speculative_algorithm="STANDALONE", speculative_num_steps=0)
-    with pytest.raises(ValueError, match="STANDALONE with tp_size > 1"):
-        EngineArgs(speculative_algorithm="STANDALONE", tp_size=2)
     assert EngineArgs(speculative_algorithm="NGRAM", tp_size=2).speculates
+    assert EngineArgs(speculative_algorithm="STANDALONE", tp_size=2).speculates
 
 
 def test_the_model_as_its_own_draft_is_nearly_always_right(

@@ -160,6 +160,10 @@ class ModelRunner:
         self.sampler = Sampler(self.device, seed)
         # STANDALONE speculation's draft model (`attach_draft`), over this runner's slots.
         self.draft: DraftModel | None = None
+        # Under tensor parallelism with a draft model: rank 0's draft model (unsharded, on
+        # rank 0 only) proposes a verify step's drafts, and every rank takes rank 0's input
+        # ids for the step (set by `attach_draft` on rank 0, by its RunnerSpec on a follower).
+        self.drafts_from_rank0 = False
         self.graphs: CudaGraphRunner | None = None
         if (
             self.device.type == "cuda"
@@ -182,6 +186,7 @@ class ModelRunner:
             attention_backend=self.attention_backend,
         )
         self.graphs = None
+        self.drafts_from_rank0 = self.loaded.tp is not None
 
     def _capture_graphs(self, max_bs: int) -> CudaGraphRunner:
         stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
@@ -356,10 +361,12 @@ class ModelRunner:
             return _empty_output(self.device)
         input_ids = self.future_map.resolve(batch.input_ids, batch.token_req_slots())
         verify = batch.logit_rows is not None
+        tp = self.loaded.tp
         if self.draft is not None and verify:
             input_ids = self.draft.propose(input_ids, batch)  # fills the placeholder drafts
+        if tp is not None and verify and self.drafts_from_rank0:
+            input_ids = tp.group.broadcast(input_ids.contiguous())  # rank 0's drafts
         self.attn.prepare(batch)
-        tp = self.loaded.tp
         greedy = tp is not None and plain_greedy(self.sampling, batch.req_slots_host)
         if tp is not None and greedy and not return_logits and not verify:
             # Greedy under tensor parallelism: the ranks exchange their best (value, id)
@@ -372,6 +379,8 @@ class ModelRunner:
                 start = tp.shard.vocab.start
                 apply_token_bitmask(local, vocab_mask.rows, vocab_mask.wait(), start)
             ids = sharded_argmax(local, tp.shard.vocab.start, tp.group)
+            if self.draft is not None:
+                self.draft.follow(input_ids, batch)
             return self._record(batch, SampleOutput(ids), batch.batch_size, None)
         logits = self.model(input_ids, batch, self.attn)
         if verify:

@@ -103,6 +103,9 @@ class RunnerSpec(msgspec.Struct, frozen=True):
     attention_backend: str | None
     kv_cache_dtype: str
     endpoints: dict[str, str]
+    # STANDALONE speculation: rank 0's draft model proposes every verify step's drafts, and
+    # the followers take them from rank 0 (`ModelRunner.drafts_from_rank0`).
+    drafts_from_rank0: bool = False
 
 
 def check_tensor_parallel(args: EngineArgs, config: ModelConfig) -> list[TPShard]:
@@ -421,6 +424,7 @@ def run_follower(launch: FollowerLaunch) -> None:
         kv_cache_dtype=spec.kv_cache_dtype,
         seed=load.seed,
     )
+    runner.drafts_from_rank0 = spec.drafts_from_rank0
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     steps = context.socket(zmq.PULL)
     steps.connect(spec.endpoints[str(launch.rank)])
