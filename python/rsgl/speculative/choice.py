@@ -3,8 +3,8 @@
 Speculation is on by default only where `rsgl bench speculative --parts workloads` measured
 it paying with the adaptive policy (`rsgl.speculative.policy`) on every workload: n-gram
 drafts (NGRAM) on a CPU whose bfloat16 projections run on AMX tiles, one replica of one
-rank. There, copying served 1.6-3.2x plain's tokens per second at concurrency 1-4 and free
-writing stayed within 3% of plain at every concurrency (README, issue 24's tables).
+rank. There, copying served 1.5-3.6x plain's tokens per second at concurrency 1-4 and free
+writing stayed within 3% of plain at every concurrency, in two runs (README, issue 24's tables).
 Elsewhere it is off until measured: a float32 or AVX-512 step costs a verify's extra rows
 differently, a CUDA verify step gives up the overlap of steps (speculation has no spec-v2
 overlap yet), and tensor- or data-parallel ranks split the cores the policy's measurements
