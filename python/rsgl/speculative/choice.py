@@ -16,10 +16,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rsgl.args import EngineArgs
-from rsgl.models.dtype_choice import DtypeChoice
+
+if TYPE_CHECKING:
+    from rsgl.models.dtype_choice import DtypeChoice
 
 logger = logging.getLogger(__name__)
 
