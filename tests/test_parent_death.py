@@ -53,6 +53,14 @@ def alive(pid: int) -> bool:
         return False
 
 
+def gone(pid: int) -> bool:
+    """Whether `pid` has ended, waiting up to GONE_TIMEOUT_S for it to."""
+    deadline = time.monotonic() + GONE_TIMEOUT_S
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not alive(pid)
+
+
 def test_a_link_reads_back_from_its_argument() -> None:
     link = ParentLink(1234, main_thread=False)
     assert ParentLink.decode(link.encode()) == link
@@ -71,10 +79,7 @@ def test_a_child_dies_with_its_killed_parent(thread: str) -> None:
         assert alive(child)
         parent.kill()
         parent.wait()
-        deadline = time.monotonic() + GONE_TIMEOUT_S
-        while alive(child) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not alive(child)
+        assert gone(child)
     finally:
         parent.kill()
         if alive(child):
@@ -92,3 +97,32 @@ def test_a_child_whose_parent_is_already_gone_exits_at_once() -> None:
     assert out.returncode == 1
     assert "still here" not in out.stdout
     assert "is gone" in out.stderr
+
+
+# A benchmark that starts `rsgl serve` (`rsgl.bench.serve_process.start_server`), prints
+# the server's pid once it answers, and sleeps until killed.
+BENCH = """
+import sys, tempfile, time
+from pathlib import Path
+from rsgl.bench.serve_process import start_server
+
+log = Path(tempfile.mkdtemp()) / "serve.log"
+proc, _ = start_server(log, "--load-format", "null", "--max-total-tokens", "4096")
+print(proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_benchmark_takes_its_server_down() -> None:
+    bench = subprocess.Popen([sys.executable, "-c", BENCH], stdout=subprocess.PIPE)
+    assert bench.stdout is not None
+    server = int(bench.stdout.readline())
+    try:
+        assert alive(server)
+        bench.send_signal(signal.SIGTERM)  # what `pkill` sends: no finally runs in it
+        bench.wait()
+        assert gone(server)
+    finally:
+        bench.kill()
+        if alive(server):
+            os.kill(server, signal.SIGKILL)

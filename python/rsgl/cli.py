@@ -32,7 +32,11 @@ def run_bench(argv: list[str]) -> int:
 
 
 def run_serve(argv: list[str]) -> int:
-    """`rsgl serve ...`: the OpenAI-compatible HTTP server."""
+    """`rsgl serve ...`: the OpenAI-compatible HTTP server (bound to its parent when rsgl
+    started it: `rsgl.parent_death.PARENT_LINK_ENV`)."""
+    from rsgl.parent_death import die_with_environment_parent
+
+    die_with_environment_parent()
     from rsgl.server.launch import main as serve_main
 
     return serve_main(argv)

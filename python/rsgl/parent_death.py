@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 # <linux/prctl.h>
 _PR_SET_PDEATHSIG = 1
+# `rsgl serve` started by rsgl itself (a benchmark's server, `rsgl.bench.serve_process`)
+# finds its parent's link here and dies with it (`die_with_environment_parent`).
+PARENT_LINK_ENV = "RSGL_PARENT_LINK"
 WATCH_INTERVAL_S = 0.5
 
 
@@ -73,6 +76,14 @@ def die_with_parent(link: ParentLink) -> None:
         ).start()
 
 
+def die_with_environment_parent() -> None:
+    """`die_with_parent` for the link in PARENT_LINK_ENV, if any; the variable is removed
+    first, so that this process's own children do not inherit it."""
+    link = os.environ.pop(PARENT_LINK_ENV, None)
+    if link:
+        die_with_parent(ParentLink.decode(link))
+
+
 def _set_parent_death_signal(sig: int) -> bool:
     """prctl(PR_SET_PDEATHSIG, sig); False where it is not available."""
     if not sys.platform.startswith("linux"):
@@ -93,4 +104,4 @@ def _watch_parent(pid: int) -> None:
     os._exit(1)
 
 
-__all__ = ["ParentLink", "die_with_parent"]
+__all__ = ["PARENT_LINK_ENV", "ParentLink", "die_with_environment_parent", "die_with_parent"]

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from rsgl.parent_death import PARENT_LINK_ENV, ParentLink
+
 STARTUP_TIMEOUT_S = 300.0
 
 
@@ -22,12 +24,15 @@ def start_server(
     log_path: Path, *flags: str, env: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen[bytes], str]:
     """`rsgl serve FLAGS` on a free port, once /health answers 200; RuntimeError (with the
-    server's log) if it exits or does not come up. `env` adds environment variables."""
+    server's log) if it exits or does not come up. `env` adds environment variables. The
+    server dies with this process, however it ends (`rsgl.parent_death`): a benchmark
+    killed mid-run leaves no server holding a model."""
     port = free_port()
     cmd = [sys.executable, "-m", "rsgl", "serve", "--port", str(port), *flags]
+    link = {PARENT_LINK_ENV: ParentLink.here().encode()}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {}), **link}
         )
     return proc, wait_healthy(proc, f"http://127.0.0.1:{port}", log_path, "rsgl serve")
 
