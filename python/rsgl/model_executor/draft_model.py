@@ -5,7 +5,7 @@ The draft model keeps its own KV cache in the target's slots: it reads the targe
 req_to_token rows, so the one plan the core makes serves both models and every free the core
 makes frees both caches. It computes every position the target computes:
 
-- a prefill or a plain decode step runs the draft over the same batch after the target
+- a prefill or a plain decode step runs the draft over the same batch before the target
   (`follow`: its KV only; the logits are not needed);
 - a verify step (the core reserved k placeholder drafts per drafting request, id 0) first
   runs k + 1 one-token decodes of the draft (`propose`): decode i reads the token at the
@@ -67,7 +67,7 @@ class DraftModel:
         )
 
     def follow(self, input_ids: torch.Tensor, batch: ForwardBatch) -> None:
-        """Writes the draft's KV for a step the target just ran (a prefill or plain decode)."""
+        """Writes the draft's KV for a step the target runs (a prefill or plain decode)."""
         self.attn.prepare(batch)
         self.model(input_ids, batch, self.attn)
 

@@ -364,6 +364,8 @@ class ModelRunner:
         tp = self.loaded.tp
         if self.draft is not None and verify:
             input_ids = self.draft.propose(input_ids, batch)  # fills the placeholder drafts
+        elif self.draft is not None:
+            self.draft.follow(input_ids, batch)  # the draft's KV of the step's positions
         if tp is not None and verify and self.drafts_from_rank0:
             input_ids = tp.group.broadcast(input_ids.contiguous())  # rank 0's drafts
         self.attn.prepare(batch)
@@ -379,14 +381,10 @@ class ModelRunner:
                 start = tp.shard.vocab.start
                 apply_token_bitmask(local, vocab_mask.rows, vocab_mask.wait(), start)
             ids = sharded_argmax(local, tp.shard.vocab.start, tp.group)
-            if self.draft is not None:
-                self.draft.follow(input_ids, batch)
             return self._record(batch, SampleOutput(ids), batch.batch_size, None)
         logits = self.model(input_ids, batch, self.attn)
         if verify:
             return self._verify(batch, input_ids, logits, vocab_mask)
-        if self.draft is not None:
-            self.draft.follow(input_ids, batch)
         return self._sample(batch, logits, batch.batch_size, return_logits, vocab_mask)
 
     def _verify(
