@@ -272,7 +272,7 @@ def test_a_failing_step_aborts_only_its_requests(server: str) -> None:
 
     async def run() -> tuple[list[str], httpx.Response, str]:
         async with httpx.AsyncClient(base_url=server, timeout=300) as c:
-            first_token = asyncio.Event()
+            decoding = [asyncio.Event() for _ in range(6)]
 
             async def good(i: int) -> str:
                 body = dict(
@@ -283,15 +283,21 @@ def test_a_failing_step_aborts_only_its_requests(server: str) -> None:
                     stream=True,
                 )
                 reason = ""
-                async with c.stream("POST", COMPLETIONS, json=body) as r:
-                    async for line in r.aiter_lines():
-                        if line.startswith("data: {"):
-                            first_token.set()
-                            reason = json.loads(line[6:])["choices"][0]["finish_reason"] or ""
+                try:
+                    async with c.stream("POST", COMPLETIONS, json=body) as r:
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: {"):
+                                decoding[i].set()
+                                chunk = json.loads(line[6:])
+                                reason = chunk["choices"][0]["finish_reason"] or ""
+                finally:
+                    decoding[i].set()  # a good one that fails must not keep the poison waiting
                 return reason
 
             goods = [asyncio.ensure_future(good(i)) for i in range(6)]
-            await first_token.wait()  # the good ones are decoding: the poison's step is its own
+            # Every good one is decoding, so none can share the poison's prefill step (one
+            # still waiting would be admitted beside the poison and fail with it).
+            await asyncio.gather(*(e.wait() for e in decoding))
             poison = await c.post(
                 COMPLETIONS, json=dict(OK_COMPLETION, max_tokens=8, rid="poison-1")
             )
