@@ -31,6 +31,7 @@ from rsgl.bench.sim.capacity import (
 )
 from rsgl.bench.sim.cluster import Deployment, Layout
 from rsgl.bench.sim.cost import (
+    AfterIdle,
     FixedCost,
     HardwareSpec,
     LinearCost,
@@ -382,6 +383,108 @@ def test_a_linear_cost_model_saved_before_context_tokens_still_loads(tmp_path: P
         load_cost_model(path)
 
 
+def test_a_step_after_idle_costs_the_fitted_extra_on_top(tmp_path: Path) -> None:
+    config = _config()
+    prefill, decode, extra = 0.020, 0.005, 0.012
+    after_idle = AfterIdle((0.1, 1.0), (0.004, extra))
+    table = TableCost((1,), (16.0,), ((decode,),), LinearCost((prefill, 0, 0, 0, 0, 0)),
+                      after_idle=after_idle)  # fmt: skip
+    assert table.after_idle_seconds(0.0, 1.0) == 0.0
+    assert table.after_idle_seconds(0.05, 1.0) == pytest.approx(0.002)  # from 0 at no idle
+    assert table.after_idle_seconds(0.55, 1.0) == pytest.approx(0.008)
+    assert table.after_idle_seconds(30.0, 1.0) == pytest.approx(extra)  # flat past the last
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps(table.to_json()))
+    loaded = load_cost_model(path)
+    assert isinstance(loaded, TableCost) and loaded.after_idle == after_idle
+    # A machine at another speed: every price, the extra after idle too, scaled.
+    slower = table.scaled(1.5)
+    shapes = [StepShape(1, 1, 0, 40, 0, 40.0), StepShape(1, 20, 1, 20, 0, 210.0)]
+    for shape in shapes:
+        assert slower.step_seconds(shape) == pytest.approx(1.5 * table.step_seconds(shape))
+    assert slower.after_idle_seconds(0.55, 1.0) == pytest.approx(1.5 * 0.008)
+    # A request alone after long idle, one after 0.1 s of idle, one while the first runs:
+    # only a step planned with the device idle pays, and only its first step.
+    requests = [(np.arange(10, 30), 4), (np.arange(40, 60), 3), (np.arange(70, 90), 3)]
+    first_done = prefill + extra + 3 * decode
+    arrivals = np.array([0.0, first_done + 0.1, first_done + 0.1 + 0.001])
+    sim = Simulation(
+        lambda: build_core(ARGS, 1400, 8192, config),
+        table,
+        Workload(arrivals, WorkloadSpec(), recorded=requests),
+    )
+    sim.run()
+    assert sim.first_token[0] == pytest.approx(prefill + extra)
+    assert sim.finish[0] == pytest.approx(first_done)
+    assert sim.first_token[1] - sim.sent[1] == pytest.approx(prefill + 0.004)
+    # The third came while the second's prefill ran: after its first decode, busy, no extra.
+    start = sim.first_token[1] + decode
+    assert sim.first_token[2] == pytest.approx(start + prefill)
+    # Every later step is priced busy: a decode step, or one and the third's prefill.
+    itl = np.round(np.concatenate(sim._itl), 9)
+    assert set(itl.tolist()) == {decode, decode + prefill}
+
+
+def test_the_extra_after_idle_is_fitted_against_requests_sent_back_to_back() -> None:
+    # Prefills of 32 and 256 tokens: 30 and 90 ms right after the request before (a few ms
+    # of idle), 2, 6 and 10 ms more after 0.03, 0.3 and 3 s; one at 3 s took 50 ms more (a
+    # slow moment of a VM).
+    idles, sizes, seconds = [], [], []
+    for gap, extra in ((0.004, 0.0), (0.03, 0.002), (0.3, 0.006), (3.0, 0.010)):
+        for size, busy in ((32, 0.030), (256, 0.090)):
+            idles += [gap] * 3
+            sizes += [size] * 3
+            seconds += [busy + extra] * 3
+    seconds[-1] += 0.05
+    fitted = AfterIdle.fit(idles, sizes, seconds)
+    assert fitted is not None
+    assert fitted.gaps_s == pytest.approx((0.03, 0.3, 3.0))
+    assert fitted.extra_s == pytest.approx((0.002, 0.006, 0.010))
+    # Too few steps after about the same idle make no point, nor steps of a size never
+    # sent back to back; a longer idle never costs less, and none costs less than nothing.
+    assert AfterIdle.fit([0.004, 0.5, 0.5], [32] * 3, [0.03] * 3) is None
+    assert AfterIdle.fit([0.004] * 3 + [0.5] * 3, [32] * 3 + [64] * 3, [0.03] * 6) is None
+    falling = AfterIdle.fit(
+        [0.004] * 3 + [0.1] * 3 + [1.0] * 3, [32] * 9, [0.03] * 3 + [0.038] * 3 + [0.033] * 3
+    )
+    assert falling is not None and falling.extra_s == pytest.approx((0.008, 0.008))
+    below = AfterIdle.fit([0.004] * 3 + [0.1] * 3, [32] * 6, [0.03] * 3 + [0.028] * 3)
+    assert below == AfterIdle((0.1,), (0.0,))
+
+
+def test_the_table_corrects_its_extend_line_by_the_steps_tokens(tmp_path: Path) -> None:
+    # Prefills of 64 to 2,048 tokens on a line, but those of 256 tokens 15% above it (a CPU's
+    # kernels are not linear in the tokens); 4 decode steps make the table's one point.
+    line = LinearCost((0.02, 0, 3e-4, 0, 0, 0))
+    shapes, seconds = [], []
+    for n in (64, 256, 1024, 2048):
+        shape = StepShape(1, n, 1, n, 0, n * (n + 1) / 2)
+        shapes += [shape] * 6
+        seconds += [line.step_seconds(shape) * (1.15 if n == 256 else 1.0)] * 6
+    decode = StepShape(1, 1, 0, 64, 0, 64.0)
+    table = TableCost.fit([*shapes, *[decode] * 4], [*seconds, *[0.005] * 4], [1], [64])
+    # The line through the other sizes (lone prompts: its features are collinear, so its
+    # prices, not its coefficients), and the factor where the steps leave it.
+    for n in (64, 1024, 2048):
+        shape = StepShape(1, n, 1, n, 0, n * (n + 1) / 2)
+        assert table.extend.step_seconds(shape) == pytest.approx(line.step_seconds(shape), rel=1e-3)
+    assert table.extend_tokens == (64, 256, 1024, 2048)
+    assert table.extend_factors == pytest.approx((1.0, 1.15, 1.0, 1.0), rel=1e-3)
+    for shape, took in zip(shapes, seconds, strict=True):
+        assert table.step_seconds(shape) == pytest.approx(took, rel=1e-3)
+    # Between two points, interpolated in log2 of the tokens; flat past the ends.
+    at_512 = StepShape(1, 512, 1, 512, 0, 512 * 513 / 2)
+    assert table.step_seconds(at_512) == pytest.approx(1.075 * line.step_seconds(at_512), rel=1e-3)
+    few = StepShape(1, 8, 1, 8, 0, 36.0)
+    assert table.step_seconds(few) == pytest.approx(line.step_seconds(few), rel=1e-3)
+    assert table.meta is not None and table.meta["extend_fit_max_rel_error"] < 1e-3
+    # Saved and loaded with it, and scaled with the rest.
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps(table.to_json()))
+    assert load_cost_model(path) == table
+    assert table.scaled(2.0).step_seconds(shapes[6]) == pytest.approx(2 * seconds[6], rel=1e-3)
+
+
 def _decode_truth(batch: float, per_row: float) -> float:
     """A decode step's seconds that no line fits: cheap low-bit rows up to 4, a dense
     GEMM's fixed cost above, attention growing with the KV read."""
@@ -485,7 +588,7 @@ def test_a_calibration_times_every_grid_point_and_prefills_over_a_cached_prefix(
     # before a busy machine's client sent the second, leaving the point no step of both.
     engine = EngineArgs(load_format="null", chunked_prefill_size=64, null_step_ms=20.0)
     timer = calibrate.time_server_steps if server else calibrate.time_steps
-    shapes, seconds, meta = timer(engine, [1, 2], [16, 48])
+    shapes, seconds, idle_steps, meta = timer(engine, [1, 2], [16, 48], idle_gaps=(0.1,))
     assert len(shapes) == len(seconds) and all(t > 0 for t in seconds)
     decodes = [s for s in shapes if not s.num_extends]
     assert {s.batch_size for s in decodes} == {1, 2}
@@ -501,10 +604,24 @@ def test_a_calibration_times_every_grid_point_and_prefills_over_a_cached_prefix(
         assert alone.count((length, 0)) >= 2
     assert alone.count((32, 64)) >= 2
     assert meta.get("through") == ("rsgl serve" if server else None)
-    # Through a server, what a request spends outside its steps (HTTP, tokenizing, hops).
+    # Through a server, what a request spends outside its steps (HTTP, tokenizing, hops),
+    # and prefills of requests sent alone: after the idle gap, and right after the request
+    # before (the step log's idle before each).
     assert (meta.get("request_latency_s", 0) > 0) == server
     table = TableCost.fit(shapes, seconds, [1, 2], [16, 48], meta)
     assert table.batches == (1, 2) and len(table.contexts) == 2
+    if not server:
+        assert idle_steps == []  # in process the steps run back to back
+        return
+    lengths = calibrate.IDLE_PROMPT_LENS
+    assert len(idle_steps) == 2 * len(lengths) * calibrate.IDLE_REPEATS
+    after_gap = [step for step in idle_steps if step.idle_s >= 0.1]
+    assert len(after_gap) == len(idle_steps) // 2
+    assert all(step.idle_s < 0.1 for step in idle_steps if step not in after_gap)
+    assert len({step.new_tokens for step in idle_steps}) == len(lengths)
+    # The null executor's steps take as long after idle: next to nothing on top.
+    after_idle = AfterIdle.fit(*zip(*idle_steps, strict=True))
+    assert after_idle is not None and after_idle.seconds(1.0) < 0.01
 
 
 def test_a_saved_calibration_keeps_its_timed_steps(
@@ -524,6 +641,23 @@ def test_a_saved_calibration_keeps_its_timed_steps(
     refit = TableCost.fit(shapes, seconds, [1, 2], [16, 48], saved["meta"])
     assert refit.decode_s == load_cost_model(out).decode_s
     assert refit.to_json()["extend"] == saved["extend"]
+    assert saved["idle_steps"] == [] and saved["after_idle"] is None  # none in process
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--calibrate-grid", "1,x:64"),
+        ("--calibrate-grid", "0,2:64"),
+        ("--calibrate-idle-gaps", "0.1,soon"),
+        ("--calibrate-idle-gaps", "0.1,-1"),
+    ],
+)
+def test_a_bad_calibration_option_is_refused_by_name(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--calibrate", "--load-format", "null", flag, value]) == 2
+    assert flag in capsys.readouterr().err
 
 
 def test_the_calibration_grid_gains_the_low_bit_switch() -> None:
@@ -841,6 +975,10 @@ def test_the_validation_runs_both_sides_under_the_same_cap(
             assert measured["model_step_seconds"] == pytest.approx(
                 linear.step_seconds(DECODE) + linear.step_seconds(StepShape(2, 40, 2, 40, 0, 420))
             )
+            # The machine's speed in the run against the calibration's, and the cell
+            # simulated again at that speed.
+            assert row["run_speed"] == pytest.approx(0.32 / measured["model_step_seconds"])
+            assert row["predicted_at_run_speed"]["request_rate"] == row["rate"]
             if cap is not None:
                 assert row["predicted"]["concurrency"] <= cap
                 assert "keep_up_ratio" in row["predicted"]
@@ -852,6 +990,7 @@ def test_the_validation_runs_both_sides_under_the_same_cap(
         assert f"max concurrency: {cap_text}" in table
         decode_priced = linear.step_seconds(DECODE)
         assert f"decode s    {0.02:>11.3f}{'':>8}{decode_priced:>11.3f}" in table
+        assert "at speed" in table
     assert main([*argv, "--validate-rounds", "0"]) == 2
 
 

@@ -6,6 +6,7 @@ invisible to a request, or they are broken."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -217,3 +218,20 @@ def test_the_step_log_has_every_step_with_its_shape(tmp_path: Path, overlap: boo
     assert [d["batch_size"] for d in decodes] == [3, 3, 3]
     assert [d["context_tokens"] for d in decodes] == [24, 27, 30]
     assert all(d["num_extends"] == 0 and d["new_tokens"] == 3 for d in decodes)
+
+
+def test_the_step_log_records_the_idle_before_each_step(tmp_path: Path) -> None:
+    log = tmp_path / "steps.jsonl"
+    params = {"max_new_tokens": 4, "ignore_eos": True}
+    # Steps of 20 ms: the overlapped loop plans each decode step while the one before runs.
+    with Engine(load_format="null", step_log=str(log), null_step_ms=20.0) as engine:
+        engine.generate([list(range(1000, 1010))], [params])
+        time.sleep(0.3)
+        engine.generate([list(range(2000, 2010))], [params])
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(steps) == 8 and [s["num_extends"] for s in steps] == [1, 0, 0, 0] * 2
+    # The second prompt's prefill followed the sleep; a step planned while the step before
+    # it ran logs no idle.
+    assert steps[4]["idle_s"] >= 0.3
+    assert all(s["idle_s"] == 0.0 for s in steps[2:4] + steps[6:8])
+    assert all(s["idle_s"] < 0.3 for s in steps[:4] + steps[5:])

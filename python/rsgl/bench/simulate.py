@@ -37,7 +37,7 @@ from typing import Any
 
 from rsgl.args import EngineArgs, add_cli_args, from_cli
 from rsgl.bench.serving import add_workload_args, format_table
-from rsgl.bench.sim.calibrate import MAX_POINT_TOKENS, PASSES
+from rsgl.bench.sim.calibrate import IDLE_GAPS_S, MAX_POINT_TOKENS, PASSES
 from rsgl.bench.sim.cluster import Deployment, Layout
 from rsgl.bench.sim.cost import HardwareSpec, load_cost_model
 from rsgl.bench.sim.workload import WorkloadSpec
@@ -107,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="--calibrate: times over the grid (every other one in reverse order) and the "
         "prefill sweep; each point's median pools them",
     )
+    m.add_argument(
+        "--calibrate-idle-gaps",
+        default=",".join(f"{g:g}" for g in IDLE_GAPS_S),
+        help="--calibrate-server: seconds of idle before the requests timed for what a step "
+        "costs after idle (comma-separated; empty: none)",
+    )
     m.add_argument("--slo", default=None, help='capacity search, e.g. "ttft_p99<2s,itl_p99<100ms"')
     m.add_argument("--layouts", default=None, help="DPxTP layouts to search, e.g. 8x1,4x2")
     m.add_argument("--report-dir", default="rsgl-capacity", help="--slo: PNG, HTML and JSON")
@@ -172,8 +178,14 @@ def main(argv: list[str]) -> int:
     """`rsgl bench simulate` (see the module docstring)."""
     args = build_parser().parse_args(argv)
     if args.calibrate:
-        from rsgl.bench.sim.calibrate import calibrate_main
+        from rsgl.bench.sim.calibrate import calibrate_main, parse_gaps, parse_grid
 
+        try:
+            parse_grid(args.calibrate_grid)
+            parse_gaps(args.calibrate_idle_gaps)
+        except ValueError as exc:
+            print(f"rsgl bench simulate: {exc}", file=sys.stderr)
+            return 2
         return calibrate_main(args)
     if args.calibrate_hardware:
         from rsgl.bench.sim.cpu_spec import hardware_main

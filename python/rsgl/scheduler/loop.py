@@ -196,7 +196,8 @@ class SchedulerLoop:
             )
         self.step_failures = 0
         self._failures_in_a_row = 0
-        self._last_step_done = 0.0  # when the last processed step's result was ready
+        # When the last processed step's result was ready (at first: when the loop was built).
+        self._last_step_done = time.perf_counter()
         self._faults = FaultInjector.from_env()
 
     # ---------------------------------------------------------------- lifecycle
@@ -686,7 +687,10 @@ class SchedulerLoop:
             )
         if self._step_log is not None:
             record = dataclasses.asdict(StepShape.of(plan))
-            record |= {"dp_rank": self._dp_rank, "seconds": seconds}
+            # How long the device sat idle before this step (0 when it was planned while
+            # the step before it ran): a CPU runs a step after idle slower.
+            idle = max(0.0, launched.planned_at - previous_done)
+            record |= {"dp_rank": self._dp_rank, "seconds": seconds, "idle_s": idle}
             if self.draft_policy is not None:  # what the step's verify planned and accepted
                 record["draft_limit"] = launched.draft_limit
                 record["accepted_drafts"] = (

@@ -71,4 +71,10 @@ def steps_of_log(lines: list[str]) -> tuple[list[StepShape], list[float]]:
     return shapes, seconds
 
 
-__all__ = ["StepShape", "steps_of_log"]
+def idles_of_log(lines: list[str]) -> list[float]:
+    """Each line's `idle_s`: how long the device sat idle before its step (0 in logs written
+    before the loop recorded it)."""
+    return [float(json.loads(line).get("idle_s", 0.0)) for line in lines]
+
+
+__all__ = ["StepShape", "idles_of_log", "steps_of_log"]

@@ -22,7 +22,11 @@ while `rsgl bench serving`'s client streams each grid point's requests from it, 
 at once. Those times include what the model alone does not pay: on a machine whose cores
 the model's threads fill, the frontend, the HTTP streams and the client take their share
 of them, more the more requests stream. It also times what a request spends outside the
-steps (`request_latency`), which the simulation adds to every request's TTFT and E2E.
+steps (`request_latency`), which the simulation adds to every request's TTFT and E2E, and
+requests sent alone after set idle gaps and right after one another (`idle_sweep`,
+`--calibrate-idle-gaps`; the step log records the idle before each step): what their
+prefills took over the same prompts' sent back to back is fitted as `AfterIdle` (in
+process the steps run back to back, and none is fitted).
 """
 
 from __future__ import annotations
@@ -37,15 +41,15 @@ import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from rsgl.args import EngineArgs, from_cli
-from rsgl.bench.sim.cost import TableCost
+from rsgl.bench.sim.cost import AfterIdle, TableCost
 from rsgl.model_executor.executor import run_on_compute_thread
 from rsgl.sampling_params import SamplingParams
-from rsgl.scheduler.step_shape import StepShape, steps_of_log
+from rsgl.scheduler.step_shape import StepShape, idles_of_log, steps_of_log
 
 # Decode steps timed per grid point (after the prefill steps).
 DECODE_STEPS = 4
@@ -72,15 +76,51 @@ PASSES = 2
 # Zen 4 in bfloat16), and so many requests decode at such contexts only where long prompts
 # come many at a time.
 MAX_POINT_TOKENS = 65536
+# Through a server, requests are also sent one at a time after each of these idle gaps
+# (seconds; `idle_sweep`) and right after the one before, IDLE_REPEATS times with prompts of
+# each of IDLE_PROMPT_LENS tokens and IDLE_OUTPUT_LEN output tokens, so that what a step
+# costs after idle is fitted (`AfterIdle`).
+IDLE_GAPS_S = (0.03, 0.1, 0.3, 1.0, 3.0)
+IDLE_REPEATS = 4
+IDLE_PROMPT_LENS = (32, 256)
+IDLE_OUTPUT_LEN = 2
 # Requests timed one at a time for `request_latency`, and their prompts' length.
 LATENCY_REQUESTS = 8
 LATENCY_PROMPT_LEN = 32
 
 
+class IdleStep(NamedTuple):
+    """A prefill of `idle_sweep`: the idle before it (the step log's), its tokens, its
+    seconds."""
+
+    idle_s: float
+    new_tokens: int
+    seconds: float
+
+
+def parse_gaps(text: str) -> tuple[float, ...]:
+    """`--calibrate-idle-gaps`: seconds, comma-separated (empty: none)."""
+    try:
+        gaps = tuple(float(g) for g in text.split(",") if g.strip())
+    except ValueError:
+        raise ValueError(f"--calibrate-idle-gaps: seconds, comma-separated, got {text!r}") from None
+    if any(not 0 < g < 60 for g in gaps):
+        raise ValueError(f"--calibrate-idle-gaps: each gap in (0, 60) seconds, got {text!r}")
+    return gaps
+
+
 def parse_grid(text: str) -> tuple[list[int], list[int]]:
     """ "1,8,32:64,256" -> ([1, 8, 32], [64, 256]) (decode batches : contexts)."""
     batches, _, contexts = text.partition(":")
-    return [int(x) for x in batches.split(",")], [int(x) for x in contexts.split(",")]
+    try:
+        grid = [int(x) for x in batches.split(",")], [int(x) for x in contexts.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"--calibrate-grid: batches:contexts, e.g. 1,8:64,256, got {text!r}"
+        ) from None
+    if min(min(grid[0]), min(grid[1])) < 1:
+        raise ValueError(f"--calibrate-grid: batches and contexts of at least 1, got {text!r}")
+    return grid
 
 
 def grid_points(
@@ -136,9 +176,11 @@ def time_steps(
     seed: int = 0,
     max_tokens: int = MAX_POINT_TOKENS,
     passes: int = PASSES,
-) -> tuple[list[StepShape], list[float], dict[str, Any]]:
+    idle_gaps: tuple[float, ...] = (),
+) -> tuple[list[StepShape], list[float], list[IdleStep], dict[str, Any]]:
     """Every timed step's shape and seconds over the grid's points (`grid_points`) and the
-    prefill sweep, and what ran them."""
+    prefill sweep, no steps after idle (in process the steps run back to back: `idle_gaps`
+    apply through a server only), and what ran them."""
     from rsgl.stack import build_stack
 
     stack = build_stack(engine)
@@ -209,7 +251,7 @@ def time_steps(
         dtype=stack.dtype_choice.chosen,
         quantization=stack.info()["quantization"],
     )
-    return shapes, seconds, meta
+    return shapes, seconds, [], meta
 
 
 def _meta(
@@ -235,9 +277,11 @@ def time_server_steps(
     seed: int = 0,
     max_tokens: int = MAX_POINT_TOKENS,
     passes: int = PASSES,
-) -> tuple[list[StepShape], list[float], dict[str, Any]]:
+    idle_gaps: tuple[float, ...] = IDLE_GAPS_S,
+) -> tuple[list[StepShape], list[float], list[IdleStep], dict[str, Any]]:
     """Every step an `rsgl serve` of `engine` ran for the grid's requests (see the module
-    doc), its shape and seconds, and what ran them."""
+    doc), its shape and seconds; the prefills of `idle_sweep` over `idle_gaps`; and what
+    ran them."""
     import httpx
 
     from rsgl.bench import serving
@@ -291,6 +335,7 @@ def time_server_steps(
                 # Each step's line is written before its tokens are sent: all are there.
                 if record:
                     recorded += log.read_text().splitlines()[done:]
+            after_idle = idle_sweep(url, tokenizer, log, idle_gaps, seed + 4 * len(points))
             latency = request_latency(url, tokenizer, log, seed + 3 * len(points))
         finally:
             proc.terminate()
@@ -303,6 +348,7 @@ def time_server_steps(
         max_tokens=max_tokens,
         passes=passes,
         prefill_lengths=lengths,
+        idle_gaps_s=list(idle_gaps),
         through="rsgl serve",
         cpu_threads=info["cpu_threads"],
         model=resolve_model_dir(engine.model_path).name,
@@ -310,7 +356,7 @@ def time_server_steps(
         quantization=info["quantization"],
         request_latency_s=latency,
     )
-    return shapes, seconds, meta
+    return shapes, seconds, after_idle, meta
 
 
 def prefill_sweep(url: str, tokenizer: Any, log: Path, lengths: list[int], seed: int) -> list[str]:
@@ -331,6 +377,34 @@ def prefill_sweep(url: str, tokenizer: Any, log: Path, lengths: list[int], seed:
             raise RuntimeError(f"a calibration request failed: {result.error}")
         lines += log.read_text().splitlines()[done:]
     return lines
+
+
+def idle_sweep(
+    url: str, tokenizer: Any, log: Path, gaps: tuple[float, ...], seed: int
+) -> list[IdleStep]:
+    """The prefill steps of requests sent one at a time, each right after the one before or
+    after one of `gaps` seconds with nothing running: each gap (and none) and each prompt
+    length IDLE_REPEATS times, shuffled so that a slow stretch of the VM does not fall on
+    one gap. Nothing when `gaps` is empty."""
+    from rsgl.bench import serving
+
+    if not gaps:
+        return []
+    config = serving.BenchConfig(base_url=url, backend="rsgl", warmup_requests=0)
+    trials = [(g, n) for g in (0.0, *gaps) for n in IDLE_PROMPT_LENS] * IDLE_REPEATS
+    np.random.default_rng(seed).shuffle(trials)
+    steps = []
+    for i, (gap, length) in enumerate(trials):
+        time.sleep(gap)
+        done = len(log.read_text().splitlines())
+        requests = serving.random_requests(tokenizer, 1, length, IDLE_OUTPUT_LEN, seed + i)
+        (result,) = asyncio.run(serving.run_benchmark(config, requests)).results
+        if not result.success:
+            raise RuntimeError(f"a calibration request failed: {result.error}")
+        lines = log.read_text().splitlines()[done:]
+        (shape, *_), (took, *_) = steps_of_log(lines)
+        steps.append(IdleStep(idles_of_log(lines)[0], shape.new_tokens, took))
+    return steps
 
 
 def request_latency(url: str, tokenizer: Any, log: Path, seed: int) -> float:
@@ -361,22 +435,38 @@ def calibrate_main(args: argparse.Namespace) -> int:
     batches, contexts = parse_grid(args.calibrate_grid)
     timer = time_server_steps if args.calibrate_server else time_steps
     max_tokens, passes = args.calibrate_max_tokens, args.calibrate_passes
-    shapes, seconds, meta = timer(engine, batches, contexts, args.seed, max_tokens, passes)
+    gaps = parse_gaps(args.calibrate_idle_gaps)
+    shapes, seconds, idle_steps, meta = timer(
+        engine, batches, contexts, args.seed, max_tokens, passes, gaps
+    )
     # The batches timed: the grid's, and the low-bit switch's (`with_low_bit_switch`).
     model = TableCost.fit(shapes, seconds, meta["batches"], contexts, meta, max_tokens)
+    if idle_steps:
+        model = dataclasses.replace(model, after_idle=AfterIdle.fit(*zip(*idle_steps, strict=True)))
     saved = model.to_json()
     # The timed steps themselves, so that another model can be fitted to them later.
     saved["sample_fields"] = [*(f.name for f in dataclasses.fields(StepShape)), "seconds"]
     saved["samples"] = [[*dataclasses.astuple(s), t] for s, t in zip(shapes, seconds, strict=True)]
+    saved["idle_step_fields"] = list(IdleStep._fields)
+    saved["idle_steps"] = [list(step) for step in idle_steps]
     with open(args.calibrate_output, "w", encoding="utf-8") as f:
         json.dump(saved, f, indent=1)
     meta = model.meta or {}
+    after = model.after_idle
+    idle = (
+        "none timed"
+        if after is None
+        else ", ".join(
+            f"+{x * 1e3:.1f} ms after {g:.2f} s"
+            for g, x in zip(after.gaps_s, after.extra_s, strict=True)
+        )
+    )
     print(
         f"calibrated on {meta.get('machine')} ({meta.get('samples')} steps): relative error "
         f"of decode steps mean {meta.get('decode_fit_mean_rel_error')}, worst "
         f"{meta.get('decode_fit_max_rel_error')}; of prefill steps mean "
         f"{meta.get('extend_fit_mean_rel_error')}, worst {meta.get('extend_fit_max_rel_error')}; "
-        f"wrote {args.calibrate_output}",
+        f"a step after idle: {idle}; wrote {args.calibrate_output}",
         file=sys.stderr,
     )
     print(json.dumps(model.to_json()))

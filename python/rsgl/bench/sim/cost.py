@@ -10,7 +10,9 @@ math. Three models price a shape:
   CPU their cost is not linear in the batch (a batch-1 step reads low-bit weights, a batch
   of 8 a dense copy through another GEMM; SmolLM2 on 2 Sapphire Rapids cores: 9, 10, 15, 33,
   36, 45 and 56 ms at batches 1 to 64), so no one line fits them. Prefill and extend steps
-  are priced by a `LinearCost` fitted to those steps alone.
+  are priced by a `LinearCost` fitted to those steps alone, corrected by the median error
+  of the fit's steps of about the same tokens, and a step after idle costs
+  `AfterIdle`'s seconds on top (fitted to requests timed alone after set idle gaps).
 - `LinearCost`: seconds = c · features(shape), fitted for the least mean relative error
   (earlier calibrations fitted every step with it; their files still load).
 - `RooflineCost`: a device's published memory bandwidth, peak FLOP/s for the dtype and
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -61,6 +63,11 @@ class CostModel(Protocol):
 
     def decode_seconds(self, batch: np.ndarray, context: np.ndarray) -> np.ndarray: ...
 
+    def after_idle_seconds(self, idle_s: float, seconds: float) -> float:
+        """What a step priced `seconds` costs on top when the device sat idle `idle_s`
+        before it (0 for a step planned while another ran)."""
+        ...
+
 
 # The cheapest steps there are: one row, one new token, no context and no attention pairs
 # (a decode step), and a prefill of one token (a calibration prices prefills apart).
@@ -93,6 +100,9 @@ class FixedCost:
     def decode_seconds(self, batch: np.ndarray, context: np.ndarray) -> np.ndarray:
         return np.full(len(batch), self.seconds)
 
+    def after_idle_seconds(self, idle_s: float, seconds: float) -> float:
+        return 0.0
+
 
 @dataclass(frozen=True, slots=True)
 class LinearCost:
@@ -120,6 +130,13 @@ class LinearCost:
         t = c[0] + (c[1] + c[2]) * batch + (c[3] + c[5]) * context
         out: np.ndarray = np.maximum(t, self.floor_s)
         return out
+
+    def after_idle_seconds(self, idle_s: float, seconds: float) -> float:
+        return 0.0
+
+    def scaled(self, factor: float) -> LinearCost:
+        """Every step `factor` times as long (a machine running at another speed)."""
+        return replace(self, coefficients=tuple(c * factor for c in self.coefficients))
 
     def __post_init__(self) -> None:
         if len(self.coefficients) != len(FEATURES):
@@ -200,6 +217,73 @@ def _interpolate(x: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
 
 
 @dataclass(frozen=True, slots=True)
+class AfterIdle:
+    """What a step costs on top after the device sat idle: `extra_s[i]` seconds after
+    `gaps_s[i]` seconds of idle, piecewise-linear between the points (from 0 at no idle),
+    flat past the last.
+
+    On a CPU the first step after idle runs slower, by about the same seconds whatever its
+    size, and by more the longer the idle (caches, TLBs and the cores' clocks go cold):
+    SmolLM2 in bfloat16 on 2 Sapphire Rapids cores took 9, 6 and 19 ms longer to prefill 32,
+    256 and 1,024 tokens after 1 s of idle than right after a request, 15, 27 and 23 ms after
+    3 s. Servers at a fraction of their capacity run most prefills after idle."""
+
+    gaps_s: tuple[float, ...]
+    extra_s: tuple[float, ...]
+
+    def seconds(self, idle_s: float) -> float:
+        xs = np.asarray((0.0, *self.gaps_s))
+        ys = np.asarray((0.0, *self.extra_s))
+        return float(np.interp(idle_s, xs, ys))
+
+    @classmethod
+    def fit(
+        cls, idles: Sequence[float], sizes: Sequence[int], seconds: Sequence[float]
+    ) -> AfterIdle | None:
+        """The points of steps timed alone (`calibrate.idle_sweep`): `seconds[i]` a step
+        of `sizes[i]` tokens took after `idles[i]` seconds of idle. A step's extra is its
+        seconds less the median of its size's steps sent right after another request
+        (idle under AFTER_IDLE_MIN_S). Steps are grouped by their idle to the nearest power
+        of √10 (30 ms, 100 ms, 300 ms, 1 s, ...); each group with at least
+        `AFTER_IDLE_MIN_STEPS` steps gives a point: its median idle and median extra
+        (medians: a VM's odd slow step must not move a point), made non-negative and
+        non-decreasing (a longer idle never costs less). None when no group has enough."""
+        idle = np.asarray(idles, dtype=np.float64)
+        size = np.asarray(sizes, dtype=np.int64)
+        took = np.asarray(seconds, dtype=np.float64)
+        busy = idle < AFTER_IDLE_MIN_S
+        baseline = {int(n): float(np.median(took[busy & (size == n)])) for n in set(size[busy])}
+        keep = ~busy & np.isin(size, list(baseline))
+        idle = idle[keep]
+        extra = took[keep] - np.array([baseline[int(n)] for n in size[keep]])
+        group = np.round(2 * np.log10(idle))
+        points = sorted(
+            (float(np.median(idle[group == g])), float(np.median(extra[group == g])))
+            for g in np.unique(group)
+            if (group == g).sum() >= AFTER_IDLE_MIN_STEPS
+        )
+        if not points:
+            return None
+        gaps, extras = zip(*points, strict=True)
+        rising = np.maximum.accumulate(np.maximum(np.asarray(extras), 0.0))
+        return cls(tuple(gaps), tuple(float(x) for x in rising))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"gaps_s": list(self.gaps_s), "extra_s": list(self.extra_s)}
+
+    def scaled(self, factor: float) -> AfterIdle:
+        return AfterIdle(self.gaps_s, tuple(x * factor for x in self.extra_s))
+
+
+# A step after less idle than this is priced busy (a server's steps follow one another
+# within a millisecond or two; a request sent right after another finished arrives a few ms
+# after it).
+AFTER_IDLE_MIN_S = 0.02
+# The fewest steps after about the same idle that make a point of an AfterIdle fit.
+AFTER_IDLE_MIN_STEPS = 3
+
+
+@dataclass(frozen=True, slots=True)
 class TableCost:
     """Decode steps from a grid of timed points, everything else from `extend` (see the
     module doc).
@@ -216,10 +300,24 @@ class TableCost:
     extend: LinearCost
     floor_s: float = 1e-5
     meta: dict[str, Any] | None = None
+    # What a step costs on top after idle (None: calibrated without idle gaps).
+    after_idle: AfterIdle | None = None
+    # How far `extend` is off by an extend step's new tokens: the median of seconds over
+    # its price among the calibration's extends of about `extend_tokens[i]` tokens is
+    # `extend_factors[i]`, interpolated in log2 of the tokens, flat past the ends (empty:
+    # none). No line over the step's features fits a CPU's prefills at every size (SmolLM2
+    # on 2 Sapphire Rapids cores, bfloat16: 41.5, 101, 183, 312 and 708 ms for 64, 256, 512,
+    # 1,024 and 2,048 tokens; the line fitted 256 and 512 15-17% low).
+    extend_tokens: tuple[float, ...] = ()
+    extend_factors: tuple[float, ...] = ()
 
     def step_seconds(self, shape: StepShape) -> float:
         if shape.num_extends:
-            return self.extend.step_seconds(shape)
+            t = self.extend.step_seconds(shape)
+            if self.extend_tokens:
+                at = np.log2(max(shape.new_tokens, 1))
+                t *= float(np.interp(at, np.log2(self.extend_tokens), self.extend_factors))
+            return t
         one = self.decode_seconds(np.array([shape.batch_size]), np.array([shape.context_tokens]))
         return float(one[0])
 
@@ -239,6 +337,18 @@ class TableCost:
             t = lo + np.maximum((b - xs[i]) / (xs[i + 1] - xs[i]), 0.0) * (hi - lo)
         out: np.ndarray = np.maximum(t, self.floor_s)
         return out
+
+    def after_idle_seconds(self, idle_s: float, seconds: float) -> float:
+        return 0.0 if self.after_idle is None else self.after_idle.seconds(idle_s)
+
+    def scaled(self, factor: float) -> TableCost:
+        """Every step `factor` times as long (a machine running at another speed)."""
+        return replace(
+            self,
+            decode_s=tuple(tuple(x * factor for x in row) for row in self.decode_s),
+            extend=self.extend.scaled(factor),
+            after_idle=None if self.after_idle is None else self.after_idle.scaled(factor),
+        )
 
     @classmethod
     def fit(
@@ -306,12 +416,15 @@ class TableCost:
                 grid[i] = _interpolate(table_contexts, table_contexts[timed], grid[i, timed])
         grid = np.maximum.accumulate(np.maximum.accumulate(grid, axis=0), axis=1)
         extend = LinearCost.fit([s for s, _ in others], [t for _, t in others])
+        tokens, factors = _extend_factors(extend, others)
         model = cls(
             tuple(batches),
             tuple(float(c) for c in table_contexts),
             tuple(tuple(float(x) for x in row) for row in grid),
             extend,
             meta=dict(meta or {}),
+            extend_tokens=tokens,
+            extend_factors=factors,
         )
         assert model.meta is not None and extend.meta is not None
         shapes_d = [s for s, _ in decode]
@@ -323,8 +436,10 @@ class TableCost:
         rel = np.abs(predicted - measured) / measured
         model.meta["decode_fit_mean_rel_error"] = round(float(rel.mean()), 4)
         model.meta["decode_fit_max_rel_error"] = round(float(rel.max()), 4)
-        model.meta["extend_fit_mean_rel_error"] = extend.meta["fit_mean_rel_error"]
-        model.meta["extend_fit_max_rel_error"] = extend.meta["fit_max_rel_error"]
+        took = np.array([t for _, t in others])
+        rel = np.abs(np.array([model.step_seconds(s) for s, _ in others]) - took) / took
+        model.meta["extend_fit_mean_rel_error"] = round(float(rel.mean()), 4)
+        model.meta["extend_fit_max_rel_error"] = round(float(rel.max()), 4)
         model.meta["samples"] = len(shapes)
         return model
 
@@ -337,7 +452,37 @@ class TableCost:
             "extend": self.extend.to_json(),
             "floor_s": self.floor_s,
             "meta": self.meta or {},
+            "after_idle": None if self.after_idle is None else self.after_idle.to_json(),
+            "extend_tokens": list(self.extend_tokens),
+            "extend_factors": list(self.extend_factors),
         }
+
+
+def _extend_factors(
+    extend: LinearCost, steps: list[tuple[StepShape, float]]
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """`TableCost.extend_tokens` and `extend_factors` of the extend steps `steps` (shape,
+    seconds) against their fit: the steps grouped by their new tokens to the nearest power
+    of two, and each group of at least EXTEND_GROUP_MIN_STEPS a point, its median tokens
+    and its median of seconds over price (medians: a calibration's odd slow step, a burst's
+    first prefill while the client still sends the rest, must not move a point), within
+    EXTEND_FACTOR_RANGE."""
+    tokens = np.array([s.new_tokens for s, _ in steps], dtype=np.float64)
+    ratio = np.array([t / extend.step_seconds(s) for s, t in steps])
+    group = np.round(np.log2(np.maximum(tokens, 1)))
+    points = [
+        (float(np.median(tokens[group == g])), float(np.median(ratio[group == g])))
+        for g in np.unique(group)
+        if (group == g).sum() >= EXTEND_GROUP_MIN_STEPS
+    ]
+    lo, hi = EXTEND_FACTOR_RANGE
+    return tuple(t for t, _ in points), tuple(min(max(r, lo), hi) for _, r in points)
+
+
+# The fewest extend steps of about the same tokens that make a point of a table's
+# correction of its extend fit, and the range of its factors.
+EXTEND_GROUP_MIN_STEPS = 5
+EXTEND_FACTOR_RANGE = (0.5, 2.0)
 
 
 # What `--calibrate` writes and `--cost-model` reads.
@@ -432,6 +577,9 @@ class RooflineCost:
         out: np.ndarray = np.asarray(self._seconds(batch, batch, context, context))
         return out
 
+    def after_idle_seconds(self, idle_s: float, seconds: float) -> float:
+        return 0.0  # a GPU's kernels run as fast after idle (no spec prices a wake-up)
+
     def _seconds(self, batch: Any, new_tokens: Any, context: Any, pairs: Any) -> Any:
         """Scalars or arrays alike (element-wise)."""
         spec, m = self.spec, self.model
@@ -468,8 +616,20 @@ def load_cost_model(path: str | Path) -> CalibratedCost:
             _linear_of(path, data["extend"]),
             float(data["floor_s"]),
             data.get("meta"),
+            _after_idle_of(data.get("after_idle")),
+            tuple(float(t) for t in data.get("extend_tokens", ())),
+            tuple(float(f) for f in data.get("extend_factors", ())),
         )
     return _linear_of(path, data)
+
+
+def _after_idle_of(data: dict[str, Any] | None) -> AfterIdle | None:
+    """A saved AfterIdle (None in files calibrated without idle gaps, or before them)."""
+    if not data:
+        return None
+    return AfterIdle(
+        tuple(float(g) for g in data["gaps_s"]), tuple(float(x) for x in data["extra_s"])
+    )
 
 
 def _linear_of(path: str | Path, data: dict[str, Any]) -> LinearCost:

@@ -6,9 +6,10 @@ Each replica is a real `rsgl._core.Scheduler`, built as the server builds it
 arrivals, `schedule()`, launch; in overlap mode (the default) the next plan is made while
 the previous step runs and that step is committed afterwards. Nothing is computed and
 nothing sleeps: a launched step ends `cost.step_seconds(StepShape.of(plan))` after the
-device is free, and its tokens (a constant id: every request ignores EOS, as
-`rsgl bench serving` sends them) are committed at that virtual time. TTFT, ITL and E2E are
-virtual times, summarized by `rsgl bench serving`'s own report code.
+device is free (plus `cost.after_idle_seconds` when the device sat idle before it was
+planned, as a CPU's steps after idle run slower), and its tokens (a constant id: every
+request ignores EOS, as `rsgl bench serving` sends them) are committed at that virtual time.
+TTFT, ITL and E2E are virtual times, summarized by `rsgl bench serving`'s own report code.
 
 Replicas only meet at the dispatcher, so each replica's own calls run in its own order and
 a replica is brought forward only as far as an arrival needs: the rank the dispatcher picks
@@ -74,6 +75,8 @@ class _Replica:
     nxt: _Launched | None = None
     committing: bool = False  # a wake-up at `launched.end` commits it
     asleep: bool = True
+    # When its last launched step ends (-inf: none yet, so the first step follows a long idle).
+    free_at: float = -math.inf
     steps: int = 0
     busy_s: float = 0.0
     decode_steps: int = 0
@@ -297,6 +300,11 @@ class Simulation:
             start = now if rep.launched is None else max(now, rep.launched.end)
             shape = StepShape.of(plan)
             seconds = self.cost.step_seconds(shape)
+            # Idle before it as the loop logs it: from the last step's end to this plan.
+            idle = now - rep.free_at
+            if idle > 0:
+                seconds += self.cost.after_idle_seconds(idle, seconds)
+            rep.free_at = start + seconds
             nxt = _Launched(
                 plan.id, plan.batch_size, plan.num_extends, shape.context_tokens, start + seconds
             )
@@ -364,6 +372,7 @@ class Simulation:
         committed, per_step, rids, finished, plan_ids, batches, contexts, other = run
         costs = self.cost.decode_seconds(batches, contexts)
         ends = np.concatenate([[a.end, b.end], b.end + np.cumsum(costs)])
+        rep.free_at = max(rep.free_at, float(ends[-1]))
         times = ends[:committed]
         rep.steps += len(plan_ids)
         rep.decode_steps += len(plan_ids)

@@ -48,7 +48,7 @@ from rsgl.bench.serve_process import start_server
 from rsgl.bench.sim.cluster import Deployment
 from rsgl.bench.sim.cost import CostModel
 from rsgl.bench.sim.workload import WorkloadSpec
-from rsgl.scheduler.step_shape import steps_of_log
+from rsgl.scheduler.step_shape import idles_of_log, steps_of_log
 
 METRICS = (
     ("output_throughput", "out tok/s"),
@@ -144,13 +144,16 @@ def bench_requests(tokenizer: Any, spec: WorkloadSpec) -> list[serving.BenchRequ
 
 def price_steps(lines: list[str], cost: CostModel) -> dict[str, float]:
     """`STEP_METRICS` of a run's --step-log lines: the seconds its steps took and the cost
-    model's price of the same shapes, summed over every step and over decode steps; and
+    model's price of the same shapes (after the idle each step logged), summed over every
+    step and over decode steps; and
     `mean_decode_batch`, the rows of its decode steps over their number."""
     shapes, seconds = steps_of_log(lines)
     out = dict.fromkeys((key for m in STEP_METRICS for key in m[:2]), 0.0)
     decode_steps = decode_rows = 0
-    for shape, took in zip(shapes, seconds, strict=True):
+    for shape, took, idle in zip(shapes, seconds, idles_of_log(lines), strict=True):
         priced = cost.step_seconds(shape)
+        if idle > 0:
+            priced += cost.after_idle_seconds(idle, priced)
         out["step_seconds"] += took
         out["model_step_seconds"] += priced
         if shape.num_extends == 0:
@@ -270,20 +273,33 @@ def compare(
             runs[i].append(measure(cell.case.spec, cell.rate, max_concurrency))
             line = {"round": r, "workload": cell.case.name, "rate": cell.rate}
             print(json.dumps(line | {"measured": runs[i][-1]}), file=sys.stderr)
-    return [
-        {
+    rows = []
+    for cell, measured in zip(cells, runs, strict=True):
+        medians = median_of(measured)
+        row = {
             "workload": cell.case.name,
             "load": cell.load,
             "capacity": round(cell.capacity, 3),
             "rate": cell.rate,
             "max_concurrency": max_concurrency,
             "num_prompts": cell.predicted["num_prompts"],
-            "measured": median_of(measured),
+            "measured": medians,
             "predicted": cell.predicted,
             "measured_runs": measured,
         }
-        for cell, measured in zip(cells, runs, strict=True)
-    ]
+        # The machine's speed in the run against the calibration's: its logged steps' seconds
+        # over their price. The cell simulated again with every price scaled by it sets the
+        # drift of a VM's speed apart from what the simulation gets wrong.
+        took, priced = medians.get("step_seconds"), medians.get("model_step_seconds")
+        if dep.calibrated is not None and took and priced:
+            speed = took / priced
+            at_speed = dataclasses.replace(dep, calibrated=dep.calibrated.scaled(speed))
+            row["run_speed"] = speed
+            row["predicted_at_run_speed"] = at_speed.simulate(
+                cell.case.spec, cell.rate, max_concurrency=max_concurrency
+            )
+        rows.append(row)
+    return rows
 
 
 def format_rows(rows: list[dict[str, Any]], max_concurrency: int | None = None) -> str:
@@ -294,37 +310,45 @@ def format_rows(rows: list[dict[str, Any]], max_concurrency: int | None = None) 
     runs = rows[0]["measured"]["runs"] if rows else 0
     header = (
         f"{'workload':<12}{'load':>5}{'req/s':>8}  {'metric':<12}"
-        f"{'measured':>11}{'spread':>8}{'predicted':>11}"
+        f"{'measured':>11}{'spread':>8}{'predicted':>11}{'error':>9}"
     )
+    at_speed = any("predicted_at_run_speed" in row for row in rows)
+    if at_speed:
+        header += f"{'at speed':>10}{'error':>9}"
     title = (
         f"measured (median of {runs} runs) vs predicted, max concurrency: {cap}; "
         f"load: a share of the workload's capacity here"
     )
-    lines = [title, header + f"{'error':>9}", "-" * (len(header) + 9)]
+    lines = [title, header, "-" * len(header)]
+
+    def error(m: float, p: float) -> str:
+        return f"{(p - m) / m * 100:+.1f}%" if m else "n/a"
+
     for row in rows:
         for key, label in METRICS:
             m, p = row["measured"][key], row["predicted"][key]
-            err = f"{(p - m) / m * 100:+.1f}%" if m else "n/a"
             spread = f"{row['measured'][f'{key}_spread'] * 100:.0f}%"
-            lines.append(
+            line = (
                 f"{row['workload']:<12}{row['load']:>5g}{row['rate']:>8g}  {label:<12}"
-                f"{m:>11.1f}{spread:>8}{p:>11.1f}{err:>9}"
+                f"{m:>11.1f}{spread:>8}{p:>11.1f}{error(m, p):>9}"
             )
+            if "predicted_at_run_speed" in row:
+                q = row["predicted_at_run_speed"][key]
+                line += f"{q:>10.1f}{error(m, q):>9}"
+            lines.append(line)
         if "mean_decode_batch" in row["measured"]:
             m, p = row["measured"]["mean_decode_batch"], row["predicted"]["mean_decode_batch"]
-            err = f"{(p - m) / m * 100:+.1f}%" if m else "n/a"
             lines.append(
                 f"{row['workload']:<12}{row['load']:>5g}{row['rate']:>8g}  {'decode rows':<12}"
-                f"{m:>11.2f}{'':>8}{p:>11.2f}{err:>9}"
+                f"{m:>11.2f}{'':>8}{p:>11.2f}{error(m, p):>9}"
             )
         for key, priced, label in STEP_METRICS:
             if priced not in row["measured"]:
                 continue
             m, p = row["measured"][key], row["measured"][priced]
-            err = f"{(p - m) / m * 100:+.1f}%" if m else "n/a"
             lines.append(
                 f"{row['workload']:<12}{row['load']:>5g}{row['rate']:>8g}  {label:<12}"
-                f"{m:>11.3f}{'':>8}{p:>11.3f}{err:>9}"
+                f"{m:>11.3f}{'':>8}{p:>11.3f}{error(m, p):>9}"
             )
     notes = (
         "decode rows: the mean batch of the decode steps, in the server's --step-log and in "
@@ -334,6 +358,12 @@ def format_rows(rows: list[dict[str, Any]], max_concurrency: int | None = None) 
     )
     if any("model_step_seconds" in row["measured"] for row in rows):
         lines.append(notes)
+    if at_speed:
+        lines.append(
+            "at speed: the simulation again with every step's price scaled by the run's "
+            "steps s over their price (the machine's speed in the run against the "
+            "calibration's): what is left is the simulation's own error"
+        )
     return "\n".join(lines)
 
 
