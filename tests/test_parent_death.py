@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -67,12 +69,23 @@ def test_a_link_reads_back_from_its_argument() -> None:
     assert ParentLink.here() == ParentLink(os.getpid(), main_thread=True)
 
 
-@pytest.mark.parametrize("thread", ["main", "other"])
-def test_a_child_dies_with_its_killed_parent(thread: str) -> None:
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, thread], stdout=subprocess.PIPE)
+@contextmanager
+def parent_and_child(code: str, *args: str) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """Runs `code`, which prints a child's pid; yields it and that pid, and kills both after."""
+    parent = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE)
     assert parent.stdout is not None
     child = int(parent.stdout.readline())
     try:
+        yield parent, child
+    finally:
+        parent.kill()
+        if alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("thread", ["main", "other"])
+def test_a_child_dies_with_its_killed_parent(thread: str) -> None:
+    with parent_and_child(PARENT, thread) as (parent, child):
         # The child survives a thread of its parent that ends (the parent-death signal
         # follows the thread that forked it: it is not armed then).
         time.sleep(1.0)
@@ -80,10 +93,6 @@ def test_a_child_dies_with_its_killed_parent(thread: str) -> None:
         parent.kill()
         parent.wait()
         assert gone(child)
-    finally:
-        parent.kill()
-        if alive(child):
-            os.kill(child, signal.SIGKILL)
 
 
 def test_a_child_whose_parent_is_already_gone_exits_at_once() -> None:
@@ -114,15 +123,8 @@ time.sleep(600)
 
 
 def test_a_killed_benchmark_takes_its_server_down() -> None:
-    bench = subprocess.Popen([sys.executable, "-c", BENCH], stdout=subprocess.PIPE)
-    assert bench.stdout is not None
-    server = int(bench.stdout.readline())
-    try:
+    with parent_and_child(BENCH) as (bench, server):
         assert alive(server)
         bench.send_signal(signal.SIGTERM)  # what `pkill` sends: no finally runs in it
         bench.wait()
         assert gone(server)
-    finally:
-        bench.kill()
-        if alive(server):
-            os.kill(server, signal.SIGKILL)

@@ -178,14 +178,8 @@ def main(argv: list[str]) -> int:
     """`rsgl bench simulate` (see the module docstring)."""
     args = build_parser().parse_args(argv)
     if args.calibrate:
-        from rsgl.bench.sim.calibrate import calibrate_main, parse_gaps, parse_grid
+        from rsgl.bench.sim.calibrate import calibrate_main
 
-        try:
-            parse_grid(args.calibrate_grid)
-            parse_gaps(args.calibrate_idle_gaps)
-        except ValueError as exc:
-            print(f"rsgl bench simulate: {exc}", file=sys.stderr)
-            return 2
         return calibrate_main(args)
     if args.calibrate_hardware:
         from rsgl.bench.sim.cpu_spec import hardware_main

@@ -431,11 +431,15 @@ def request_latency(url: str, tokenizer: Any, log: Path, seed: int) -> float:
 
 def calibrate_main(args: argparse.Namespace) -> int:
     """`--calibrate`: fit, save to --calibrate-output, print the fit's summary."""
+    try:
+        batches, contexts = parse_grid(args.calibrate_grid)
+        gaps = parse_gaps(args.calibrate_idle_gaps)
+    except ValueError as exc:
+        print(f"rsgl bench simulate: {exc}", file=sys.stderr)
+        return 2
     engine: EngineArgs = from_cli(EngineArgs, args)
-    batches, contexts = parse_grid(args.calibrate_grid)
     timer = time_server_steps if args.calibrate_server else time_steps
     max_tokens, passes = args.calibrate_max_tokens, args.calibrate_passes
-    gaps = parse_gaps(args.calibrate_idle_gaps)
     shapes, seconds, idle_steps, meta = timer(
         engine, batches, contexts, args.seed, max_tokens, passes, gaps
     )

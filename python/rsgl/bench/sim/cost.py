@@ -223,10 +223,10 @@ class AfterIdle:
     flat past the last.
 
     On a CPU the first step after idle runs slower, by about the same seconds whatever its
-    size, and by more the longer the idle (caches, TLBs and the cores' clocks go cold):
-    SmolLM2 in bfloat16 on 2 Sapphire Rapids cores took 9, 6 and 19 ms longer to prefill 32,
-    256 and 1,024 tokens after 1 s of idle than right after a request, 15, 27 and 23 ms after
-    3 s. Servers at a fraction of their capacity run most prefills after idle."""
+    size, and by more the longer the idle (cold caches or clocks, perhaps: not measured
+    apart). SmolLM2 in bfloat16 on a 2-core AMX Xeon took 9, 6 and 19 ms longer to prefill
+    32, 256 and 1,024 tokens after 1 s of idle than right after a request, 15, 27 and 23 ms
+    after 3 s. Servers at a fraction of their capacity run most prefills after idle."""
 
     gaps_s: tuple[float, ...]
     extra_s: tuple[float, ...]
@@ -306,7 +306,7 @@ class TableCost:
     # its price among the calibration's extends of about `extend_tokens[i]` tokens is
     # `extend_factors[i]`, interpolated in log2 of the tokens, flat past the ends (empty:
     # none). No line over the step's features fits a CPU's prefills at every size (SmolLM2
-    # on 2 Sapphire Rapids cores, bfloat16: 41.5, 101, 183, 312 and 708 ms for 64, 256, 512,
+    # on a 2-core AMX Xeon, bfloat16: 41.5, 101, 183, 312 and 708 ms for 64, 256, 512,
     # 1,024 and 2,048 tokens; the line fitted 256 and 512 15-17% low).
     extend_tokens: tuple[float, ...] = ()
     extend_factors: tuple[float, ...] = ()
