@@ -11,6 +11,7 @@ from torch import nn
 
 from rsgl.bench import one_batch
 from rsgl.layers.quant_linear import force_low_bit_max_rows
+from rsgl.models import dtype_choice
 
 
 def _run(capsys: pytest.CaptureFixture[str], *extra: str) -> dict[str, Any]:
@@ -36,3 +37,25 @@ def test_forcing_the_limit_counts_low_bit_modules_and_refuses_a_negative() -> No
     assert force_low_bit_max_rows(nn.Sequential(nn.Linear(4, 4)), 8) == 0
     with pytest.raises(ValueError, match="must be >= 0"):
         force_low_bit_max_rows(nn.Linear(4, 4), -1)
+
+
+@pytest.mark.parametrize(
+    ("units", "speedup", "chosen"),
+    [((), None, "float32"), (("amx_bf16",), 2.0, "bfloat16"), (("amx_bf16",), 1.0, "float32")],
+)
+def test_dtype_auto_runs_the_dtype_rsgl_serve_would_choose(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    units: tuple[str, ...],
+    speedup: float | None,
+    chosen: str,
+) -> None:
+    # Another CPU's bfloat16 units and calibration stand in for this one's (as `rsgl serve`'s
+    # own choice is tested): `auto` meant float32 here whatever the machine, until it asked.
+    monkeypatch.setattr(dtype_choice, "cpu_bf16_features", lambda: frozenset(units))
+    if speedup is not None:
+        measured = dtype_choice.Bf16Speedup(decode=speedup, prefill=speedup)
+        monkeypatch.setattr(dtype_choice, "measure_bf16_speedup", lambda: measured)
+    argv = ["--batch", "2", "--input-len", "8", "--output-len", "2", "--dtype", "auto"]
+    assert one_batch.main(argv) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["dtype"] == chosen

@@ -37,17 +37,24 @@ from rsgl.layers.quant_linear import QuantLinear, force_low_bit_max_rows, low_bi
 from rsgl.model_executor.executor import CudaStreamExecutor
 from rsgl.model_executor.kv_cache import KVCache
 from rsgl.model_executor.model_runner import ModelRunner
+from rsgl.models.dtype_choice import choose_dtype
 from rsgl.models.llama import LlamaForCausalLM
 from rsgl.sampling_params import SamplingParams
 
 ROOFLINE_EVERY = 4
 
-# --dtype values -> the torch dtype (None: the loader's default for the device).
+# --dtype values -> the torch dtype (None: "auto", which `model_dtype` resolves).
 DTYPES: dict[str, torch.dtype | None] = {
     "auto": None,
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
 }
+
+
+def model_dtype(name: str, device: torch.device) -> torch.dtype:
+    """A bench's `--dtype`: the named dtype, or for `auto` the one `rsgl serve` would choose
+    on this device (bfloat16 where the CPU's matrix units make it faster)."""
+    return choose_dtype(name, device).torch_dtype
 
 
 def _prefill_plan(prompts: np.ndarray, capacity: int) -> Plan:
@@ -207,7 +214,7 @@ def run(args: argparse.Namespace) -> dict[str, object] | list[dict[str, object]]
         max_running_requests=batch,
         context_len=capacity + 1,
         device=device,
-        dtype=DTYPES[args.dtype],
+        dtype=model_dtype(args.dtype, device),
         attention_backend=args.attention_backend,
         kv_cache_dtype=args.kv_cache_dtype,
         load_format=args.load_format,
@@ -406,7 +413,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--compare-graphs", action="store_true", help="CUDA: also run each batch eagerly"
     )
-    parser.add_argument("--dtype", default="auto", choices=list(DTYPES), help="model dtype")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=list(DTYPES),
+        help="model dtype (auto: as rsgl serve chooses)",
+    )
     parser.add_argument(
         "--quantization",
         default=None,

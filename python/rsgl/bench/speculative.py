@@ -49,7 +49,7 @@ import torch
 
 from rsgl._core import Plan
 from rsgl.args import QUANTIZATIONS
-from rsgl.bench.one_batch import DTYPES, _prefill_plan
+from rsgl.bench.one_batch import DTYPES, _prefill_plan, model_dtype
 from rsgl.engine import Engine
 from rsgl.model_executor.model_runner import ModelRunner
 from rsgl.sampling_params import SamplingParams
@@ -192,7 +192,7 @@ def verify_cost(args: argparse.Namespace) -> list[dict[str, object]]:
         kv_buffer_size=1 + max(batches) * capacity,
         max_running_requests=max(batches),
         context_len=capacity + 1,
-        dtype=DTYPES[args.dtype],
+        dtype=model_dtype(args.dtype, torch.device("cpu")),
         quantization=args.quantization,
     )
     vocab = runner.config.vocab_size
@@ -394,7 +394,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--drafts", default="1,2,4,8", help="draft counts k to time")
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=15, help="timed steps per shape")
-    parser.add_argument("--dtype", default="auto", choices=list(DTYPES), help="model dtype")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=list(DTYPES),
+        help="model dtype (auto: as rsgl serve chooses)",
+    )
     parser.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS))
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     parser.add_argument("--seed", type=int, default=0)
