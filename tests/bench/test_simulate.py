@@ -31,11 +31,14 @@ from rsgl.bench.sim.capacity import (
 )
 from rsgl.bench.sim.cluster import Deployment, Layout
 from rsgl.bench.sim.cost import (
+    NO_EXTEND_YET,
+    AfterExtend,
     AfterIdle,
     FixedCost,
     HardwareSpec,
     LinearCost,
     TableCost,
+    decodes_since_extend,
     load_cost_model,
     min_step_seconds,
 )
@@ -450,6 +453,117 @@ def test_the_extra_after_idle_is_fitted_against_requests_sent_back_to_back() -> 
     assert falling is not None and falling.extra_s == pytest.approx((0.008, 0.008))
     below = AfterIdle.fit([0.004] * 3 + [0.1] * 3, [32] * 6, [0.03] * 3 + [0.028] * 3)
     assert below == AfterIdle((0.1,), (0.0,))
+
+
+def _after_extend_table(extras: tuple[float, ...]) -> TableCost:
+    """Prefills of 20 ms plus 0.1 ms a token; decode steps of 5 ms at batch 1 and 9 ms at 8
+    (12 ms at 64), with a longer context a little dearer; `extras` after an extend."""
+    grid = ((0.005, 0.006), (0.009, 0.010), (0.012, 0.014))
+    line = LinearCost((0.020, 0, 1e-4, 0, 0, 0))
+    return TableCost((1, 8, 64), (64.0, 1024.0), grid, line, after_extend=AfterExtend(extras))
+
+
+def test_the_first_decode_steps_after_an_extend_cost_the_fitted_extra(tmp_path: Path) -> None:
+    config = _config()
+    table = _after_extend_table((0.004, 0.002, 0.001))
+    decode = float(table.decode_seconds(np.array([1]), np.array([30]))[0])
+    numbers = np.array([1, 3, 4, NO_EXTEND_YET])
+    assert table.after_extend_seconds(numbers).tolist() == pytest.approx([0.004, 0.001, 0, 0])
+    assert LinearCost((1, 0, 0, 0, 0, 0)).after_extend_seconds(numbers).tolist() == [0] * 4
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps(table.to_json()))
+    loaded = load_cost_model(path)
+    assert isinstance(loaded, TableCost) and loaded.after_extend == table.after_extend
+    # A machine at another speed: decode steps (and what they pay after an extend) by one
+    # factor, prefills by another.
+    slower = table.scaled(2.0, 3.0)
+    prefill = StepShape(1, 20, 1, 20, 0, 210.0)
+    assert slower.step_seconds(prefill) == pytest.approx(3 * table.step_seconds(prefill))
+    assert slower.step_seconds(StepShape(1, 1, 0, 30, 0, 30.0)) == pytest.approx(2 * decode)
+    assert slower.after_extend_seconds(numbers).tolist() == pytest.approx([0.008, 0.002, 0, 0])
+    # A request alone: its first decode steps pay 4, 2 and 1 ms more, the rest none, step by
+    # step and in a run of decode steps played in one core call (from the third) alike.
+    for fast in (False, True):
+        sim = Simulation(
+            lambda: build_core(ARGS, 1400, 8192, config),
+            table,
+            Workload(np.zeros(1), WorkloadSpec(), recorded=[(np.arange(10, 30), 8)]),
+            fast_forward=fast,
+        )
+        sim.run()
+        itl = np.concatenate(sim._itl)
+        grow = table.decode_seconds(np.ones(7), 20 + np.arange(1, 8))  # context: a token a step
+        assert itl == pytest.approx(grow + np.array([0.004, 0.002, 0.001, 0, 0, 0, 0]))
+
+
+@pytest.mark.parametrize("span", [0.5, 3.0])
+def test_a_prefill_makes_the_decode_steps_after_it_pay_again_in_runs_and_alone(span: float) -> None:
+    # Requests arriving over `span` seconds: every prefill (a new request's, or a chunk of
+    # one) restarts the count of the steps after it, the same whether the decode steps are
+    # played one by one or in runs.
+    config = _config()
+    requests = _mixed_requests(40, seed=7)
+    arrivals = np.sort(np.random.default_rng(3).uniform(0, span, 40))
+    results = []
+    for extras in ((0.004, 0.003, 0.002, 0.001, 0.0005), ()):
+        for fast in (False, True):
+            sim = Simulation(
+                lambda: build_core(ARGS, 1400, 8192, config),
+                _after_extend_table(extras),
+                Workload(arrivals, WorkloadSpec(), recorded=requests),
+                fast_forward=fast,
+            )
+            report = sim.run()
+            results.append((report, sim.finish.copy(), np.sort(np.concatenate(sim._itl))))
+    (slow, end0, itl0), (fast_, end1, itl1), (_, end_none, _) = results[:3]
+    np.testing.assert_allclose(end1, end0, rtol=1e-12)
+    np.testing.assert_allclose(itl1, itl0, rtol=1e-9, atol=1e-12)
+    assert fast_["steps"] == slow["steps"]
+    # And the extras made the traffic take longer than without.
+    assert end0.max() > end_none.max()
+
+
+def test_the_table_leaves_the_first_decode_steps_after_an_extend_to_after_extend() -> None:
+    # Each grid point: a prefill, then ten decode steps, the first three 6, 2 and 1 ms over
+    # the steady steps. The table holds the steady steps; after_extend what the first take
+    # on top (the context grows a token a step: within 0.1 ms).
+    batches, contexts = [1, 2, 4], [64, 256]
+    shapes, seconds = [], []
+    for c in contexts:
+        for b in batches:
+            shapes.append(StepShape(b, b * c, b, b * c, 0, b * c * (c + 1) / 2))
+            seconds.append(0.02 + 1e-5 * b * c)
+            for k in range(1, 11):
+                shapes.append(StepShape(b, b, 0, b * (c + k), 0, float(b * (c + k))))
+                seconds.append(_decode_truth(b, c + k) + (0.006, 0.002, 0.001, 0, 0)[min(k, 5) - 1])
+    table = TableCost.fit(shapes, seconds, batches, contexts)
+    assert table.after_extend is not None
+    assert table.after_extend.extra_s == pytest.approx((0.006, 0.002, 0.001, 0, 0), abs=1e-4)
+    steady = [s for s, n in zip(shapes, decodes_since_extend(shapes), strict=True) if n > 5]
+    for shape in steady:
+        per_row = shape.context_tokens / shape.batch_size
+        truth = _decode_truth(shape.batch_size, per_row)
+        assert table.step_seconds(shape) == pytest.approx(truth, rel=0.02)
+    assert table.meta is not None and table.meta["decode_fit_max_rel_error"] < 0.05
+    # Too few steps of a number give no price from there on; a later step never pays more
+    # than an earlier one, and none less than nothing.
+    assert AfterExtend.fit([1] * 4, [0.003] * 4) is None
+    fitted = AfterExtend.fit([1] * 5 + [2] * 5 + [3] * 4, [0.003] * 5 + [0.005] * 5 + [0] * 4)
+    assert fitted == AfterExtend((0.003, 0.003))
+    assert AfterExtend.fit([1] * 5, [-0.001] * 5) == AfterExtend((0.0,))
+
+
+def test_the_validation_prices_each_replicas_decode_steps_after_its_own_extends() -> None:
+    # Two DP ranks' steps interleaved in one log: rank 1 decodes before any extend of its
+    # own (priced steady) while rank 0's extend makes rank 0's next decodes pay.
+    table = _after_extend_table((0.004, 0.001))
+    prefill, decode = StepShape(1, 20, 1, 20, 0, 210.0), StepShape(1, 1, 0, 30, 0, 30.0)
+    log = [(0, prefill), (1, decode), (0, decode), (1, prefill), (0, decode), (1, decode)]
+    lines = [json.dumps(dataclasses.asdict(s) | {"seconds": 0.01, "dp_rank": r}) for r, s in log]
+    priced = validate.price_steps(lines, table)
+    d, p = table.step_seconds(decode), table.step_seconds(prefill)
+    assert priced["model_decode_step_seconds"] == pytest.approx(4 * d + 0.004 + 0.001 + 0.004)
+    assert priced["model_step_seconds"] == pytest.approx(2 * p + 4 * d + 0.009)
 
 
 def test_the_table_corrects_its_extend_line_by_the_steps_tokens(tmp_path: Path) -> None:

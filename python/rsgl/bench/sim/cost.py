@@ -68,6 +68,12 @@ class CostModel(Protocol):
         before it (0 for a step planned while another ran)."""
         ...
 
+    def after_extend_seconds(self, decodes: np.ndarray) -> np.ndarray:
+        """What decode steps cost on top for following an extend step: `decodes[i]` is the
+        step's number among the decode steps since the device's last extend (1: right
+        after it)."""
+        ...
+
 
 # The cheapest steps there are: one row, one new token, no context and no attention pairs
 # (a decode step), and a prefill of one token (a calibration prices prefills apart).
@@ -103,6 +109,9 @@ class FixedCost:
     def after_idle_seconds(self, idle_s: float, seconds: float) -> float:
         return 0.0
 
+    def after_extend_seconds(self, decodes: np.ndarray) -> np.ndarray:
+        return np.zeros(len(decodes))
+
 
 @dataclass(frozen=True, slots=True)
 class LinearCost:
@@ -133,6 +142,9 @@ class LinearCost:
 
     def after_idle_seconds(self, idle_s: float, seconds: float) -> float:
         return 0.0
+
+    def after_extend_seconds(self, decodes: np.ndarray) -> np.ndarray:
+        return np.zeros(len(decodes))
 
     def scaled(self, factor: float) -> LinearCost:
         """Every step `factor` times as long (a machine running at another speed)."""
@@ -284,6 +296,82 @@ AFTER_IDLE_MIN_STEPS = 3
 
 
 @dataclass(frozen=True, slots=True)
+class AfterExtend:
+    """What the first decode steps after an extend step cost on top: `extra_s[n - 1]` seconds
+    for the n-th decode step since the device's last extend, nothing from the
+    `len(extra_s) + 1`-th on.
+
+    Measured, not explained: in a calibration of SmolLM2 in bfloat16 on a 2-core AMX Xeon,
+    the first decode step after a prefill took 32% more than the table's steady steps at
+    batch 1 (about 3 ms), 20% at batches 2-4 and 8% at 32-64, the second 0-8% more, the
+    third 0-5%. A workload of long prompts and short outputs spends a quarter of its decode
+    steps there."""
+
+    extra_s: tuple[float, ...]
+
+    def seconds(self, decodes: np.ndarray) -> np.ndarray:
+        n = np.asarray(decodes, dtype=np.int64)
+        k = len(self.extra_s)
+        if k == 0:
+            return np.zeros(len(n))
+        extra = np.asarray(self.extra_s)[np.clip(n - 1, 0, k - 1)]
+        out: np.ndarray = np.where((n >= 1) & (n <= k), extra, 0.0)
+        return out
+
+    @classmethod
+    def fit(
+        cls, decodes: Sequence[int] | np.ndarray, excess: Sequence[float] | np.ndarray
+    ) -> AfterExtend | None:
+        """From decode steps' numbers since their last extend (`decodes`, from 1) and the
+        seconds each took over the steady steps' price (`excess`): the median excess of
+        each number up to AFTER_EXTEND_STEPS, while each has at least
+        AFTER_EXTEND_MIN_STEPS steps, made non-negative and non-increasing (a later step
+        never pays more for the extend than an earlier one). None when the first has too
+        few."""
+        n = np.asarray(decodes, dtype=np.int64)
+        over = np.asarray(excess, dtype=np.float64)
+        extras: list[float] = []
+        for k in range(1, AFTER_EXTEND_STEPS + 1):
+            mine = over[n == k]
+            if len(mine) < AFTER_EXTEND_MIN_STEPS:
+                break
+            extras.append(float(np.median(mine)))
+        if not extras:
+            return None
+        falling = np.minimum.accumulate(np.maximum(np.asarray(extras), 0.0))
+        return cls(tuple(float(x) for x in falling))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"extra_s": list(self.extra_s)}
+
+    def scaled(self, factor: float) -> AfterExtend:
+        return AfterExtend(tuple(x * factor for x in self.extra_s))
+
+
+# How many decode steps after an extend an AfterExtend prices (the steps after them are the
+# steady ones a table's grid points take their medians of), and the fewest steps of one
+# number that give it a price.
+AFTER_EXTEND_STEPS = 5
+AFTER_EXTEND_MIN_STEPS = 5
+
+
+def decodes_since_extend(shapes: Sequence[StepShape]) -> np.ndarray:
+    """For steps in the order one device ran them: each decode step's number since the last
+    extend step before it (1: right after it), 0 for extend steps, and NO_EXTEND_YET for
+    decode steps before any extend."""
+    out = np.zeros(len(shapes), dtype=np.int64)
+    since = NO_EXTEND_YET
+    for i, s in enumerate(shapes):
+        since = 0 if s.num_extends else min(since + 1, NO_EXTEND_YET)
+        out[i] = since
+    return out
+
+
+# A decode step's number since an extend when no extend came before it (priced steady).
+NO_EXTEND_YET = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
 class TableCost:
     """Decode steps from a grid of timed points, everything else from `extend` (see the
     module doc).
@@ -310,6 +398,9 @@ class TableCost:
     # 1,024 and 2,048 tokens; the line fitted 256 and 512 15-17% low).
     extend_tokens: tuple[float, ...] = ()
     extend_factors: tuple[float, ...] = ()
+    # What the first decode steps after an extend cost on top of the table's steady steps
+    # (None: not fitted, as in files calibrated before it).
+    after_extend: AfterExtend | None = None
 
     def step_seconds(self, shape: StepShape) -> float:
         if shape.num_extends:
@@ -341,13 +432,22 @@ class TableCost:
     def after_idle_seconds(self, idle_s: float, seconds: float) -> float:
         return 0.0 if self.after_idle is None else self.after_idle.seconds(idle_s)
 
-    def scaled(self, factor: float) -> TableCost:
-        """Every step `factor` times as long (a machine running at another speed)."""
+    def after_extend_seconds(self, decodes: np.ndarray) -> np.ndarray:
+        if self.after_extend is None:
+            return np.zeros(len(decodes))
+        return self.after_extend.seconds(decodes)
+
+    def scaled(self, factor: float, extend_factor: float | None = None) -> TableCost:
+        """Every decode step `factor` times as long and every extend `extend_factor` times
+        (default: `factor`): a machine running at another speed, which a VM's neighbours
+        can move apart for the two kinds of step."""
+        e = factor if extend_factor is None else extend_factor
         return replace(
             self,
             decode_s=tuple(tuple(x * factor for x in row) for row in self.decode_s),
-            extend=self.extend.scaled(factor),
-            after_idle=None if self.after_idle is None else self.after_idle.scaled(factor),
+            extend=self.extend.scaled(e),
+            after_idle=None if self.after_idle is None else self.after_idle.scaled(e),
+            after_extend=None if self.after_extend is None else self.after_extend.scaled(factor),
         )
 
     @classmethod
@@ -367,12 +467,16 @@ class TableCost:
         left out. Every grid point needs a step (ValueError naming the holes) but those of
         more than `max_tokens` (batch x context) past a batch's second context, which the
         calibration skips (`grid_points`): they are extended from the batch's two longest
-        contexts timed, as `decode_seconds` extends the table. Records each part's mean
-        and worst relative error over its own samples."""
+        contexts timed, as `decode_seconds` extends the table. A grid point's median
+        leaves out the first AFTER_EXTEND_STEPS decode steps after an extend where it has
+        later ones (`shapes` are in the order they ran), and `after_extend` prices what
+        those steps take over the table. Records each part's mean and worst relative
+        error over its own samples."""
         grid_batches = set(batches)
+        since = decodes_since_extend(shapes)
         decode = [
-            (s, t)
-            for s, t in zip(shapes, seconds, strict=True)
+            (s, t, int(n))
+            for s, t, n in zip(shapes, seconds, since, strict=True)
             if not s.num_extends and s.batch_size in grid_batches
         ]
         others = [(s, t) for s, t in zip(shapes, seconds, strict=True) if s.num_extends]
@@ -380,10 +484,14 @@ class TableCost:
             raise ValueError("a table cost model needs decode steps and prefill steps")
         grid_contexts = sorted(set(contexts))
         points: dict[tuple[int, int], list[tuple[float, float]]] = {}
-        for s, t in decode:
+        early: dict[tuple[int, int], list[tuple[float, float]]] = {}
+        for s, t, n in decode:
             per_row = s.context_tokens / s.batch_size
             nearest = min(grid_contexts, key=lambda c: abs(c - per_row))
-            points.setdefault((s.batch_size, nearest), []).append((per_row, t))
+            into = early if n <= AFTER_EXTEND_STEPS else points
+            into.setdefault((s.batch_size, nearest), []).append((per_row, t))
+        for point, steps in early.items():  # only early steps there: the point takes them
+            points.setdefault(point, steps)
         batches = sorted(grid_batches)
 
         def skipped(b: int, c: int) -> bool:
@@ -427,12 +535,15 @@ class TableCost:
             extend_factors=factors,
         )
         assert model.meta is not None and extend.meta is not None
-        shapes_d = [s for s, _ in decode]
-        predicted = model.decode_seconds(
-            np.array([s.batch_size for s in shapes_d]),
-            np.array([s.context_tokens for s in shapes_d]),
+        steady = model.decode_seconds(
+            np.array([s.batch_size for s, _, _ in decode]),
+            np.array([s.context_tokens for s, _, _ in decode]),
         )
-        measured = np.array([t for _, t in decode])
+        measured = np.array([t for _, t, _ in decode])
+        numbers = np.array([n for _, _, n in decode], dtype=np.int64)
+        model = replace(model, after_extend=AfterExtend.fit(numbers, measured - steady))
+        assert model.meta is not None
+        predicted = steady + model.after_extend_seconds(numbers)
         rel = np.abs(predicted - measured) / measured
         model.meta["decode_fit_mean_rel_error"] = round(float(rel.mean()), 4)
         model.meta["decode_fit_max_rel_error"] = round(float(rel.max()), 4)
@@ -455,6 +566,7 @@ class TableCost:
             "after_idle": None if self.after_idle is None else self.after_idle.to_json(),
             "extend_tokens": list(self.extend_tokens),
             "extend_factors": list(self.extend_factors),
+            "after_extend": None if self.after_extend is None else self.after_extend.to_json(),
         }
 
 
@@ -580,6 +692,9 @@ class RooflineCost:
     def after_idle_seconds(self, idle_s: float, seconds: float) -> float:
         return 0.0  # a GPU's kernels run as fast after idle (no spec prices a wake-up)
 
+    def after_extend_seconds(self, decodes: np.ndarray) -> np.ndarray:
+        return np.zeros(len(decodes))  # nor does a spec price a decode after a prefill
+
     def _seconds(self, batch: Any, new_tokens: Any, context: Any, pairs: Any) -> Any:
         """Scalars or arrays alike (element-wise)."""
         spec, m = self.spec, self.model
@@ -619,6 +734,7 @@ def load_cost_model(path: str | Path) -> CalibratedCost:
             _after_idle_of(data.get("after_idle")),
             tuple(float(t) for t in data.get("extend_tokens", ())),
             tuple(float(f) for f in data.get("extend_factors", ())),
+            _after_extend_of(data.get("after_extend")),
         )
     return _linear_of(path, data)
 
@@ -630,6 +746,11 @@ def _after_idle_of(data: dict[str, Any] | None) -> AfterIdle | None:
     return AfterIdle(
         tuple(float(g) for g in data["gaps_s"]), tuple(float(x) for x in data["extra_s"])
     )
+
+
+def _after_extend_of(data: dict[str, Any] | None) -> AfterExtend | None:
+    """A saved AfterExtend (None in files calibrated before it)."""
+    return AfterExtend(tuple(float(x) for x in data["extra_s"])) if data else None
 
 
 def _linear_of(path: str | Path, data: dict[str, Any]) -> LinearCost:

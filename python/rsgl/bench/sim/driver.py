@@ -7,8 +7,10 @@ arrivals, `schedule()`, launch; in overlap mode (the default) the next plan is m
 the previous step runs and that step is committed afterwards. Nothing is computed and
 nothing sleeps: a launched step ends `cost.step_seconds(StepShape.of(plan))` after the
 device is free (plus `cost.after_idle_seconds` when the device sat idle before it was
-planned, as a CPU's steps after idle run slower), and its tokens (a constant id: every
-request ignores EOS, as `rsgl bench serving` sends them) are committed at that virtual time.
+planned, as a CPU's steps after idle run slower, and `cost.after_extend_seconds` for the
+first decode steps after an extend, which a CPU runs slower too), and its tokens (a
+constant id: every request ignores EOS, as `rsgl bench serving` sends them) are committed
+at that virtual time.
 TTFT, ITL and E2E are virtual times, summarized by `rsgl bench serving`'s own report code.
 
 Replicas only meet at the dispatcher, so each replica's own calls run in its own order and
@@ -36,7 +38,7 @@ import numpy as np
 
 from rsgl._core import Finished, Plan, Scheduler
 from rsgl.bench.serving import summarize_arrays
-from rsgl.bench.sim.cost import CostModel, min_step_seconds
+from rsgl.bench.sim.cost import NO_EXTEND_YET, CostModel, min_step_seconds
 from rsgl.bench.sim.workload import Workload
 from rsgl.scheduler.step_shape import StepShape
 from rsgl.server.dispatcher import Dispatcher
@@ -77,6 +79,8 @@ class _Replica:
     asleep: bool = True
     # When its last launched step ends (-inf: none yet, so the first step follows a long idle).
     free_at: float = -math.inf
+    # Its decode steps launched since its last extend step (cost.after_extend_seconds).
+    decodes_since_extend: int = NO_EXTEND_YET
     steps: int = 0
     busy_s: float = 0.0
     decode_steps: int = 0
@@ -300,6 +304,12 @@ class Simulation:
             start = now if rep.launched is None else max(now, rep.launched.end)
             shape = StepShape.of(plan)
             seconds = self.cost.step_seconds(shape)
+            if plan.num_extends:
+                rep.decodes_since_extend = 0
+            else:
+                rep.decodes_since_extend = min(rep.decodes_since_extend + 1, NO_EXTEND_YET)
+                after = np.array([rep.decodes_since_extend])
+                seconds += float(self.cost.after_extend_seconds(after)[0])
             # Idle before it as the loop logs it: from the last step's end to this plan.
             idle = now - rep.free_at
             if idle > 0:
@@ -367,10 +377,12 @@ class Simulation:
                 n = min(n, int((horizon - b.end) / max(float(cheapest[0]), 1e-9)) + 1)
             grow = batch * np.arange(1, n + 1)
             costs = self.cost.decode_seconds(np.full(n, batch), context + grow)
+            costs += self._after_extend(rep, n)
             max_steps = 2 + int(np.searchsorted(b.end + np.cumsum(costs), horizon))
         run = rep.core.decode_run(max_steps, SAMPLED_TOKEN)
         committed, per_step, rids, finished, plan_ids, batches, contexts, other = run
-        costs = self.cost.decode_seconds(batches, contexts)
+        costs = self.cost.decode_seconds(batches, contexts) + self._after_extend(rep, len(batches))
+        rep.decodes_since_extend = min(rep.decodes_since_extend + len(batches), NO_EXTEND_YET)
         ends = np.concatenate([[a.end, b.end], b.end + np.cumsum(costs)])
         rep.free_at = max(rep.free_at, float(ends[-1]))
         times = ends[:committed]
@@ -410,6 +422,10 @@ class Simulation:
             self._wake(r, rep.launched.end)
         else:
             self._plan(r, rep, now)
+
+    def _after_extend(self, rep: _Replica, n: int) -> np.ndarray:
+        """What the replica's next `n` decode steps cost on top for the extend before them."""
+        return self.cost.after_extend_seconds(rep.decodes_since_extend + np.arange(1, n + 1))
 
     def _admit(self, rep: _Replica, now: float) -> None:
         for i, prompt, output_len in rep.pending:

@@ -42,11 +42,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from rsgl.args import EngineArgs
 from rsgl.bench import serving
 from rsgl.bench.serve_process import start_server
 from rsgl.bench.sim.cluster import Deployment
-from rsgl.bench.sim.cost import CostModel
+from rsgl.bench.sim.cost import CostModel, TableCost, decodes_since_extend
 from rsgl.bench.sim.workload import WorkloadSpec
 from rsgl.scheduler.step_shape import idles_of_log, steps_of_log
 
@@ -144,14 +146,23 @@ def bench_requests(tokenizer: Any, spec: WorkloadSpec) -> list[serving.BenchRequ
 
 def price_steps(lines: list[str], cost: CostModel) -> dict[str, float]:
     """`STEP_METRICS` of a run's --step-log lines: the seconds its steps took and the cost
-    model's price of the same shapes (after the idle each step logged), summed over every
+    model's price of the same shapes (after the idle each step logged, and a decode step
+    after its replica's extend steps), summed over every
     step and over decode steps; and
     `mean_decode_batch`, the rows of its decode steps over their number."""
     shapes, seconds = steps_of_log(lines)
     out = dict.fromkeys((key for m in STEP_METRICS for key in m[:2]), 0.0)
     decode_steps = decode_rows = 0
-    for shape, took, idle in zip(shapes, seconds, idles_of_log(lines), strict=True):
-        priced = cost.step_seconds(shape)
+    # Each replica's decode steps after its own last extend (the log interleaves DP ranks).
+    ranks = np.array([json.loads(line).get("dp_rank", 0) for line in lines])
+    after_extend = np.zeros(len(shapes))
+    for rank in np.unique(ranks):
+        mine = np.flatnonzero(ranks == rank)
+        numbers = decodes_since_extend([shapes[i] for i in mine])
+        after_extend[mine] = cost.after_extend_seconds(numbers)
+    steps = zip(shapes, seconds, idles_of_log(lines), after_extend, strict=True)
+    for shape, took, idle, extra in steps:
+        priced = cost.step_seconds(shape) + float(extra)
         if idle > 0:
             priced += cost.after_idle_seconds(idle, priced)
         out["step_seconds"] += took
@@ -293,13 +304,33 @@ def compare(
         took, priced = medians.get("step_seconds"), medians.get("model_step_seconds")
         if dep.calibrated is not None and took and priced:
             speed = took / priced
-            at_speed = dataclasses.replace(dep, calibrated=dep.calibrated.scaled(speed))
             row["run_speed"] = speed
+            scaled = dep.calibrated.scaled(speed)
+            decode, extend = _speeds(medians)
+            if isinstance(dep.calibrated, TableCost) and decode and extend:
+                # A VM's neighbours can slow its decode steps and its prefills apart: a
+                # table scales each by its own.
+                scaled = dep.calibrated.scaled(decode, extend)
+                row["run_speed_decode"], row["run_speed_extend"] = decode, extend
+            at_speed = dataclasses.replace(dep, calibrated=scaled)
             row["predicted_at_run_speed"] = at_speed.simulate(
                 cell.case.spec, cell.rate, max_concurrency=max_concurrency
             )
         rows.append(row)
     return rows
+
+
+def _speeds(measured: dict[str, Any]) -> tuple[float | None, float | None]:
+    """A run's decode steps' seconds over their price, and its other steps' (None where it
+    logged none of them)."""
+    took, priced = measured.get("step_seconds", 0.0), measured.get("model_step_seconds", 0.0)
+    decode = measured.get("decode_step_seconds", 0.0)
+    decode_priced = measured.get("model_decode_step_seconds", 0.0)
+    extend, extend_priced = took - decode, priced - decode_priced
+    return (
+        decode / decode_priced if decode > 0 and decode_priced > 0 else None,
+        extend / extend_priced if extend > 0 and extend_priced > 0 else None,
+    )
 
 
 def format_rows(rows: list[dict[str, Any]], max_concurrency: int | None = None) -> str:
@@ -362,7 +393,8 @@ def format_rows(rows: list[dict[str, Any]], max_concurrency: int | None = None) 
         lines.append(
             "at speed: the simulation again with every step's price scaled by the run's "
             "steps s over their price (the machine's speed in the run against the "
-            "calibration's): what is left is the simulation's own error"
+            "calibration's; decode steps and prefills each by their own where the cost model "
+            "is a table): what is left is the simulation's own error"
         )
     return "\n".join(lines)
 
