@@ -11,8 +11,9 @@ math. Three models price a shape:
   of 8 a dense copy through another GEMM; SmolLM2 on 2 Sapphire Rapids cores: 9, 10, 15, 33,
   36, 45 and 56 ms at batches 1 to 64), so no one line fits them. Prefill and extend steps
   are priced by a `LinearCost` fitted to those steps alone, corrected by the median error
-  of the fit's steps of about the same tokens, and a step after idle costs
-  `AfterIdle`'s seconds on top (fitted to requests timed alone after set idle gaps).
+  of the fit's steps of about the same tokens. A step after idle costs `AfterIdle`'s
+  seconds on top (fitted to requests timed alone after set idle gaps), and the first decode
+  steps after an extend `AfterExtend`'s (the grid holds the steady steps that follow).
 - `LinearCost`: seconds = c · features(shape), fitted for the least mean relative error
   (earlier calibrations fitted every step with it; their files still load).
 - `RooflineCost`: a device's published memory bandwidth, peak FLOP/s for the dtype and
