@@ -46,13 +46,14 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from rsgl.args import EngineArgs, from_cli
-from rsgl.bench.sim.cost import AfterIdle, TableCost
+from rsgl.bench.sim.cost import AFTER_EXTEND_STEPS, AfterIdle, TableCost
 from rsgl.model_executor.executor import run_on_compute_thread
 from rsgl.sampling_params import SamplingParams
 from rsgl.scheduler.step_shape import StepShape, idles_of_log, steps_of_log
 
-# Decode steps timed per grid point (after the prefill steps).
-DECODE_STEPS = 4
+# Decode steps timed per grid point (after the prefill steps): past the first
+# AFTER_EXTEND_STEPS, which a CPU runs slower after a prefill, some steady ones for the table.
+DECODE_STEPS = AFTER_EXTEND_STEPS + 5
 # Tokens each request of a grid point generates through the server: a point's decode steps
 # are fewer at the full batch (a request that finished prefilling decodes while the others
 # still prefill), so more of them than in process.
@@ -438,6 +439,10 @@ def calibrate_main(args: argparse.Namespace) -> int:
         print(f"rsgl bench simulate: {exc}", file=sys.stderr)
         return 2
     engine: EngineArgs = from_cli(EngineArgs, args)
+    if engine.dp_size > 1:
+        # One replica's steps, in the order it ran them (a table prices one replica's).
+        print("rsgl bench simulate: --calibrate times one replica (--dp-size 1)", file=sys.stderr)
+        return 2
     timer = time_server_steps if args.calibrate_server else time_steps
     max_tokens, passes = args.calibrate_max_tokens, args.calibrate_passes
     shapes, seconds, idle_steps, meta = timer(

@@ -439,9 +439,10 @@ class TableCost:
         return self.after_extend.seconds(decodes)
 
     def scaled(self, factor: float, extend_factor: float | None = None) -> TableCost:
-        """Every decode step `factor` times as long and every extend `extend_factor` times
-        (default: `factor`): a machine running at another speed, which a VM's neighbours
-        can move apart for the two kinds of step."""
+        """Every decode step `factor` times as long (and what it pays after an extend) and
+        every extend `extend_factor` times (default: `factor`), with what a step pays after
+        idle (fitted to prefills): a machine running at another speed, which a VM's
+        neighbours can move apart for the two kinds of step."""
         e = factor if extend_factor is None else extend_factor
         return replace(
             self,
@@ -470,9 +471,10 @@ class TableCost:
         calibration skips (`grid_points`): they are extended from the batch's two longest
         contexts timed, as `decode_seconds` extends the table. A grid point's median
         leaves out the first AFTER_EXTEND_STEPS decode steps after an extend where it has
-        later ones (`shapes` are in the order they ran), and `after_extend` prices what
-        those steps take over the table. Records each part's mean and worst relative
-        error over its own samples."""
+        later ones (`shapes` are in the order one replica ran them), and `after_extend`
+        prices what those steps take over the table, fitted at the points that had later
+        ones (elsewhere the table's own median holds them). Records each part's mean and
+        worst relative error over its own samples."""
         grid_batches = set(batches)
         since = decodes_since_extend(shapes)
         decode = [
@@ -486,11 +488,14 @@ class TableCost:
         grid_contexts = sorted(set(contexts))
         points: dict[tuple[int, int], list[tuple[float, float]]] = {}
         early: dict[tuple[int, int], list[tuple[float, float]]] = {}
+        point_of = []
         for s, t, n in decode:
             per_row = s.context_tokens / s.batch_size
             nearest = min(grid_contexts, key=lambda c: abs(c - per_row))
             into = early if n <= AFTER_EXTEND_STEPS else points
             into.setdefault((s.batch_size, nearest), []).append((per_row, t))
+            point_of.append((s.batch_size, nearest))
+        steady_points = set(points)
         for point, steps in early.items():  # only early steps there: the point takes them
             points.setdefault(point, steps)
         batches = sorted(grid_batches)
@@ -542,8 +547,13 @@ class TableCost:
         )
         measured = np.array([t for _, t, _ in decode])
         numbers = np.array([n for _, _, n in decode], dtype=np.int64)
-        model = replace(model, after_extend=AfterExtend.fit(numbers, measured - steady))
+        # Only where the table holds steady steps is an early step's excess over it what
+        # the extend costs (elsewhere the early steps are in the median it is measured by).
+        fitted = np.array([p in steady_points for p in point_of])
+        after = AfterExtend.fit(numbers[fitted], (measured - steady)[fitted])
+        model = replace(model, after_extend=after)
         assert model.meta is not None
+        model.meta["grid_points_without_steady_decodes"] = len(set(points) - steady_points)
         predicted = steady + model.after_extend_seconds(numbers)
         rel = np.abs(predicted - measured) / measured
         model.meta["decode_fit_mean_rel_error"] = round(float(rel.mean()), 4)

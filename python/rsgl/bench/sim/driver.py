@@ -377,7 +377,7 @@ class Simulation:
                 n = min(n, int((horizon - b.end) / max(float(cheapest[0]), 1e-9)) + 1)
             grow = batch * np.arange(1, n + 1)
             costs = self.cost.decode_seconds(np.full(n, batch), context + grow)
-            costs += self._after_extend(rep, n)
+            costs = costs + self._after_extend(rep, n)
             max_steps = 2 + int(np.searchsorted(b.end + np.cumsum(costs), horizon))
         run = rep.core.decode_run(max_steps, SAMPLED_TOKEN)
         committed, per_step, rids, finished, plan_ids, batches, contexts, other = run

@@ -306,7 +306,7 @@ def compare(
             speed = took / priced
             row["run_speed"] = speed
             scaled = dep.calibrated.scaled(speed)
-            decode, extend = _speeds(medians)
+            decode, extend = _speeds(measured)
             if isinstance(dep.calibrated, TableCost) and decode and extend:
                 # A VM's neighbours can slow its decode steps and its prefills apart: a
                 # table scales each by its own.
@@ -320,17 +320,20 @@ def compare(
     return rows
 
 
-def _speeds(measured: dict[str, Any]) -> tuple[float | None, float | None]:
-    """A run's decode steps' seconds over their price, and its other steps' (None where it
-    logged none of them)."""
-    took, priced = measured.get("step_seconds", 0.0), measured.get("model_step_seconds", 0.0)
-    decode = measured.get("decode_step_seconds", 0.0)
-    decode_priced = measured.get("model_decode_step_seconds", 0.0)
-    extend, extend_priced = took - decode, priced - decode_priced
-    return (
-        decode / decode_priced if decode > 0 and decode_priced > 0 else None,
-        extend / extend_priced if extend > 0 and extend_priced > 0 else None,
-    )
+def _speeds(runs: list[dict[str, Any]]) -> tuple[float | None, float | None]:
+    """The median over a cell's runs of each run's decode steps' seconds over their price,
+    and of its other steps' (None where a run logged none of them)."""
+    decode, extend = [], []
+    for run in runs:
+        took, priced = run.get("step_seconds", 0.0), run.get("model_step_seconds", 0.0)
+        d, d_priced = run.get("decode_step_seconds", 0.0), run.get("model_decode_step_seconds", 0.0)
+        if d > 0 and d_priced > 0:
+            decode.append(d / d_priced)
+        if took - d > 0 and priced - d_priced > 0:
+            extend.append((took - d) / (priced - d_priced))
+    if len(decode) < len(runs) or len(extend) < len(runs):
+        return None, None
+    return statistics.median(decode), statistics.median(extend)
 
 
 def format_rows(rows: list[dict[str, Any]], max_concurrency: int | None = None) -> str:
