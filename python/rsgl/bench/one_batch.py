@@ -43,18 +43,13 @@ from rsgl.sampling_params import SamplingParams
 
 ROOFLINE_EVERY = 4
 
-# --dtype values -> the torch dtype (None: "auto", which `model_dtype` resolves).
+# --dtype values -> the torch dtype (None: "auto", chosen as `rsgl serve` chooses it:
+# `choose_dtype`).
 DTYPES: dict[str, torch.dtype | None] = {
     "auto": None,
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
 }
-
-
-def model_dtype(name: str, device: torch.device) -> torch.dtype:
-    """A bench's `--dtype`: the named dtype, or for `auto` the one `rsgl serve` would choose
-    on this device (bfloat16 where the CPU's matrix units make it faster)."""
-    return choose_dtype(name, device).torch_dtype
 
 
 def _prefill_plan(prompts: np.ndarray, capacity: int) -> Plan:
@@ -214,7 +209,7 @@ def run(args: argparse.Namespace) -> dict[str, object] | list[dict[str, object]]
         max_running_requests=batch,
         context_len=capacity + 1,
         device=device,
-        dtype=model_dtype(args.dtype, device),
+        dtype=choose_dtype(args.dtype, device).torch_dtype,
         attention_backend=args.attention_backend,
         kv_cache_dtype=args.kv_cache_dtype,
         load_format=args.load_format,

@@ -49,9 +49,10 @@ import torch
 
 from rsgl._core import Plan
 from rsgl.args import QUANTIZATIONS
-from rsgl.bench.one_batch import DTYPES, _prefill_plan, model_dtype
+from rsgl.bench.one_batch import DTYPES, _prefill_plan
 from rsgl.engine import Engine
 from rsgl.model_executor.model_runner import ModelRunner
+from rsgl.models.dtype_choice import choose_dtype
 from rsgl.sampling_params import SamplingParams
 
 
@@ -192,7 +193,7 @@ def verify_cost(args: argparse.Namespace) -> list[dict[str, object]]:
         kv_buffer_size=1 + max(batches) * capacity,
         max_running_requests=max(batches),
         context_len=capacity + 1,
-        dtype=model_dtype(args.dtype, torch.device("cpu")),
+        dtype=choose_dtype(args.dtype, torch.device("cpu")).torch_dtype,
         quantization=args.quantization,
     )
     vocab = runner.config.vocab_size

@@ -307,9 +307,8 @@ class Simulation:
             if plan.num_extends:
                 rep.decodes_since_extend = 0
             else:
-                rep.decodes_since_extend = min(rep.decodes_since_extend + 1, NO_EXTEND_YET)
-                after = np.array([rep.decodes_since_extend])
-                seconds += float(self.cost.after_extend_seconds(after)[0])
+                seconds += float(self._after_extend(rep, 1)[0])
+                rep.decodes_since_extend += 1
             # Idle before it as the loop logs it: from the last step's end to this plan.
             idle = now - rep.free_at
             if idle > 0:
@@ -382,7 +381,7 @@ class Simulation:
         run = rep.core.decode_run(max_steps, SAMPLED_TOKEN)
         committed, per_step, rids, finished, plan_ids, batches, contexts, other = run
         costs = self.cost.decode_seconds(batches, contexts) + self._after_extend(rep, len(batches))
-        rep.decodes_since_extend = min(rep.decodes_since_extend + len(batches), NO_EXTEND_YET)
+        rep.decodes_since_extend += len(batches)
         ends = np.concatenate([[a.end, b.end], b.end + np.cumsum(costs)])
         rep.free_at = max(rep.free_at, float(ends[-1]))
         times = ends[:committed]

@@ -146,10 +146,9 @@ def bench_requests(tokenizer: Any, spec: WorkloadSpec) -> list[serving.BenchRequ
 
 def price_steps(lines: list[str], cost: CostModel) -> dict[str, float]:
     """`STEP_METRICS` of a run's --step-log lines: the seconds its steps took and the cost
-    model's price of the same shapes (after the idle each step logged, and a decode step
-    after its replica's extend steps), summed over every
-    step and over decode steps; and
-    `mean_decode_batch`, the rows of its decode steps over their number."""
+    model's price of the same shapes (with what a step pays after the idle it logged, and a
+    decode step after its replica's last extend), summed over every step and over decode
+    steps; and `mean_decode_batch`, the rows of its decode steps over their number."""
     shapes, seconds = steps_of_log(lines)
     out = dict.fromkeys((key for m in STEP_METRICS for key in m[:2]), 0.0)
     decode_steps = decode_rows = 0
