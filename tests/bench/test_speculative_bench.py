@@ -76,6 +76,21 @@ def test_the_orders_combine_into_one_cell() -> None:
     assert row["off_tok_s"] == 90.0 and row["on_tok_s"] == 90.0
     assert row["identical_outputs"] is False
     assert "order" not in row
+    assert (row["accept_length"], row["drafts_per_verify_step"]) == (1.5, 2.0)
+
+
+def test_an_order_that_never_verified_leaves_the_accept_figures_to_the_other() -> None:
+    """Where one order's requests never drafted, the cell's accept length is the other
+    order's, not halved by a 0 that measured nothing."""
+    base = {"workload": "free", "temperature": 0.7, "concurrency": 16, "requests": 16}
+    base |= {"output_tokens": 2048, "off_tok_s": 600.0, "on_tok_s": 600.0, "ratio": 1.0}
+    base |= {"identical_outputs": True}
+    drafted = base | {"order": "plain_first", "accept_length": 1.6, "drafts_per_verify_step": 11.0}
+    idle = base | {"order": "spec_first", "accept_length": 0, "drafts_per_verify_step": 0}
+    row = speculative.combine_orders([drafted, idle])
+    assert (row["accept_length"], row["drafts_per_verify_step"]) == (1.6, 11.0)
+    row = speculative.combine_orders([idle, idle])
+    assert (row["accept_length"], row["drafts_per_verify_step"]) == (0.0, 0.0)
 
 
 def test_an_unknown_workload_is_named() -> None:

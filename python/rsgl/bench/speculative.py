@@ -273,8 +273,10 @@ ENGINE_ORDERS = (False, True)
 def combine_orders(cells: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One cell from its measurements under each engine order: the ratio is the geometric
     mean of the orders' ratios (an engine's slowness for being built first divides one and
-    multiplies the other), the rates and accept figures their means, and the outputs
-    identical only if they were under every order."""
+    multiplies the other), the rates their means, the accept figures their means over the
+    orders that verified drafts (0: neither did; an order whose requests never drafted has
+    no accept length, not one of 0), and the outputs identical only if they were under
+    every order."""
     first = cells[0]
     ratios = [float(c["ratio"]) for c in cells]
     combined = {k: first[k] for k in ("workload", "temperature", "concurrency", "requests")}
@@ -285,12 +287,16 @@ def combine_orders(cells: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "ratio": round(statistics.geometric_mean(ratios), 3),
         "ratio_by_order": {c["order"]: c["ratio"] for c in cells},
         "identical_outputs": all(c["identical_outputs"] for c in cells),
-        "accept_length": round(statistics.fmean(float(c["accept_length"]) for c in cells), 3),
-        "drafts_per_verify_step": round(
-            statistics.fmean(float(c["drafts_per_verify_step"]) for c in cells), 2
-        ),
+        "accept_length": round(_mean_of_verified(cells, "accept_length"), 3),
+        "drafts_per_verify_step": round(_mean_of_verified(cells, "drafts_per_verify_step"), 2),
     }
     return combined
+
+
+def _mean_of_verified(cells: Sequence[dict[str, Any]], key: str) -> float:
+    """The mean of `key` over the cells whose engine verified drafts (0.0 if none did)."""
+    verified = [float(c[key]) for c in cells if float(c["drafts_per_verify_step"]) > 0]
+    return statistics.fmean(verified) if verified else 0.0
 
 
 def _order_cells(args: argparse.Namespace, spec_first: bool) -> list[dict[str, Any]]:
