@@ -30,7 +30,7 @@ def test_auto_speculates_with_bfloat16_on_amx_tiles() -> None:
     ("options", "device", "dtype", "why"),
     [
         ({}, "cpu", DtypeChoice("float32", "forced", cpu_bf16_features=AMX), "bfloat16 on AMX"),
-        # AVX512-BF16 without AMX (a Zen 4): a whole run missed three bars; off until one holds.
+        # AVX512-BF16 without AMX (a Zen 4): three whole runs each missed a bar; off until two hold.
         ({}, "cpu", DtypeChoice("bfloat16", "x", cpu_bf16_features=("avx512_bf16",)), "AMX"),
         ({}, "cuda", DtypeChoice("bfloat16", "accelerator"), "cuda: not measured"),
         ({"tp_size": 2}, "cpu", BF16_ON_AMX, "one rank of one replica"),

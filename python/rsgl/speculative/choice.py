@@ -5,13 +5,14 @@ it paying with the adaptive policy (`rsgl.speculative.policy`) on every workload
 drafts (NGRAM) on a CPU whose bfloat16 projections run on AMX tiles, one replica of one
 rank. There, copying served 1.5-3.6x plain's tokens per second at concurrency 1-4 and free
 writing stayed within 3% of plain at every concurrency, in two runs (README, issue 24's tables).
-Elsewhere it is off: on AVX512-BF16 without AMX (a Zen 4) a whole run of the same bench
-missed three bars (copying at temperature 0.7 and concurrency 64 0.960x, free writing at 1
-0.913x and 0.996x), each within its spread when rerun longer, so it waits for a whole run
-and a repeat that hold; a float32 step costs a verify's extra rows differently and was not
-measured, a CUDA verify step gives up the overlap of steps (speculation has no spec-v2
-overlap yet), and tensor- or data-parallel ranks split the cores the policy's measurements
-assume. A draft model (STANDALONE) is never chosen: it needs a model to be named.
+Elsewhere it is off: on AVX512-BF16 without AMX (a Zen 4) three whole runs of the same
+bench each missed a bar (at worst free writing at temperature 0.7: 0.913x at concurrency 1,
+then 0.969x at 64, then 0.946x at 1), and free writing at 0.7 and concurrency 1 measured
+0.985x over four runs, so it waits for a whole run and a repeat that hold; a float32 step
+costs a verify's extra rows differently and was not measured, a CUDA verify step gives up
+the overlap of steps (speculation has no spec-v2 overlap yet), and tensor- or data-parallel
+ranks split the cores the policy's measurements assume. A draft model (STANDALONE) is never
+chosen: it needs a model to be named.
 """
 
 from __future__ import annotations
