@@ -14,6 +14,7 @@ __all__ = [
     "Detokenizer",
     "FinishReason",
     "Finished",
+    "NgramDrafter",
     "Outcome",
     "Plan",
     "RadixTree",
@@ -340,3 +341,15 @@ class Detokenizer:
         """Tokens in the table."""
     def __len__(self) -> int:
         """Requests added and not yet removed."""
+
+@final
+class NgramDrafter:
+    """The scheduler's n-gram drafter over one token sequence (`crate::drafter`): `propose(k)`
+    returns up to `k` tokens that followed the most recent earlier occurrence of the longest
+    suffix of `min_window..=max_window` tokens that occurred before (empty if none did)."""
+
+    def __new__(cls, min_window: int = 1, max_window: int = 12) -> NgramDrafter: ...
+    def extend(self, tokens: _Ints) -> None:
+        """Appends committed tokens in order."""
+    def propose(self, k: int) -> list[int]: ...
+    def __len__(self) -> int: ...

@@ -1,4 +1,4 @@
-"""`rsgl bench speculative`: its two parts run end to end on the embedded model, and a copy
+"""`rsgl bench speculative`: its parts run end to end on the embedded model, and a copy
 request ends where the model ends its answer."""
 
 from __future__ import annotations
@@ -47,6 +47,25 @@ def test_forced_lengths_and_the_verify_cost(capsys: pytest.CaptureFixture[str]) 
     # Free writing is forced to its length: two requests of 12 tokens, whatever they say.
     assert [r["output_tokens"] for r in served] == [24, 24]
     assert all(r["identical_outputs"] is True for r in served)
+
+
+def test_draft_replays_of_greedy_copies(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--parts", "drafts", "--workloads", "copy", "--replay-requests", "2"]
+    argv += ["--drafts", "1,4", "--copy-max-len", "60", "--dtype", "float32"]
+    assert speculative.main(argv) == 0
+    rows = _rows(capsys)
+    assert [(r["workload"], r["drafts"], r["requests"]) for r in rows] == [
+        ("copy", 1, 2),
+        ("copy", 4, 2),
+    ]
+    for r in rows:
+        assert 0 < r["output_tokens"] <= 120  # type: ignore[operator]
+        for drafter in ("chain", "tree", "shared"):
+            # A copy's drafts are mostly accepted, and never more than k + 1 tokens a step.
+            per_step = r[f"{drafter}_tokens_per_step"]
+            assert 1.3 < per_step <= 1 + r["drafts"]  # type: ignore[operator]
+            assert 0 < r[f"{drafter}_drafted_share"] <= 1  # type: ignore[operator]
+    assert rows[1]["chain_tokens_per_step"] > rows[0]["chain_tokens_per_step"]  # type: ignore[operator]
 
 
 def test_the_orders_combine_into_one_cell() -> None:

@@ -28,6 +28,13 @@ otherwise than a decode step's, so a near-tie may go the other way and the text 
 from there.
 
     rsgl bench speculative --parts workloads --concurrency 1,4,16,64
+
+`--parts drafts` serves each workload's `--replay-requests` greedy with speculation off and
+replays the outputs through the scheduler's n-gram drafter, a tree of as many drafted tokens
+and a drafter indexing the requests before it too (`rsgl.bench.draft_replay`): the tokens
+a verify step of each `--drafts` k would commit, which do not depend on the machine's speed.
+
+    rsgl bench speculative --parts drafts --drafts 1,2,4,7
 """
 
 from __future__ import annotations
@@ -49,11 +56,13 @@ import torch
 
 from rsgl._core import Plan
 from rsgl.args import QUANTIZATIONS
+from rsgl.bench.draft_replay import replay
 from rsgl.bench.one_batch import DTYPES, _prefill_plan
 from rsgl.engine import Engine
 from rsgl.model_executor.model_runner import ModelRunner
 from rsgl.models.dtype_choice import choose_dtype
 from rsgl.sampling_params import SamplingParams
+from rsgl.validation import tokenize_prompt
 
 
 def _step_plan(batch: int, position: int, width: int, capacity: int, vocab: int) -> Plan:
@@ -231,6 +240,50 @@ def verify_cost(args: argparse.Namespace) -> list[dict[str, object]]:
     return rows
 
 
+def draft_replays(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Tokens a verify step of k drafts would commit, per drafter (`rsgl.bench.draft_replay`),
+    over the workloads' greedy outputs: no timing, so the drafters compare exactly."""
+    options: dict[str, Any] = {"dtype": args.dtype, "max_total_tokens": args.max_total_tokens}
+    if args.quantization:
+        options["quantization"] = args.quantization
+    engine = Engine(**options, speculative_algorithm="none")
+    rows: list[dict[str, Any]] = []
+    try:
+        for name in args.workloads.split(","):
+            messages = WORKLOADS[name](args.replay_requests, args.seed)
+            _, outputs = _serve_wave(engine, messages, _greedy_params(name, args), 16)
+            prompts = [
+                tokenize_prompt(engine.tokenizer, engine.limits, messages=m) for m in messages
+            ]
+            requests = list(zip(prompts, outputs, strict=True))
+            for k in [int(k) for k in args.drafts.split(",")]:
+                row: dict[str, Any] = {
+                    "workload": name,
+                    "drafts": k,
+                    "requests": len(requests),
+                    "output_tokens": sum(map(len, outputs)),
+                }
+                for drafter in ("chain", "tree", "shared"):
+                    result = replay(requests, k, drafter, args.ngram_min)
+                    row[f"{drafter}_tokens_per_step"] = round(result.tokens_per_step, 3)
+                    row[f"{drafter}_drafted_share"] = round(result.drafted_steps / result.steps, 3)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        engine.shutdown()
+    return rows
+
+
+def _greedy_params(workload: str, args: argparse.Namespace) -> dict[str, Any]:
+    """A workload's sampling parameters at temperature 0 (`_order_cells`' for each)."""
+    until_eos = workload == "copy" and args.copy_max_len > 0
+    return {
+        "temperature": 0.0,
+        "max_new_tokens": args.copy_max_len if until_eos else args.output_len,
+        "ignore_eos": not until_eos,
+    }
+
+
 def _serve_wave(
     engine: Engine, messages: list[list[dict[str, str]]], params: dict[str, Any], concurrency: int
 ) -> tuple[float, list[list[int]]]:
@@ -322,13 +375,8 @@ def _order_cells(args: argparse.Namespace, spec_first: bool) -> list[dict[str, A
     try:
         for name in args.workloads.split(","):
             make = WORKLOADS[name]
-            until_eos = name == "copy" and args.copy_max_len > 0
             for temperature in (0.0, 0.7):
-                params: dict[str, Any] = {
-                    "temperature": temperature,
-                    "max_new_tokens": args.copy_max_len if until_eos else args.output_len,
-                    "ignore_eos": not until_eos,
-                }
+                params = _greedy_params(name, args) | {"temperature": temperature}
                 if temperature:
                     params["seed"] = args.seed
                 for concurrency in [int(c) for c in args.concurrency.split(",")]:
@@ -423,6 +471,9 @@ def main(argv: list[str]) -> int:
         "--num-draft-tokens", type=int, default=None, help="workloads: spec on (engine default)"
     )
     parser.add_argument("--ngram-min", type=int, default=1, help="workloads: min window")
+    parser.add_argument(
+        "--replay-requests", type=int, default=24, help="drafts: greedy outputs per workload"
+    )
     parser.add_argument("--max-total-tokens", type=int, default=65536)
     parser.add_argument(
         "--rounds", type=int, default=3, help="workloads: off/on runs per cell (medians)"
@@ -431,12 +482,14 @@ def main(argv: list[str]) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     parts = args.parts.split(",")
-    if unknown := set(parts) - {"verify-cost", "workloads"}:
-        parser.error(f"unknown parts {sorted(unknown)}: expected verify-cost, workloads")
+    if unknown := set(parts) - {"verify-cost", "workloads", "drafts"}:
+        parser.error(f"unknown parts {sorted(unknown)}: expected verify-cost, workloads, drafts")
     if unknown := set(args.workloads.split(",")) - set(WORKLOADS):
         parser.error(f"unknown workloads {sorted(unknown)}: expected {', '.join(WORKLOADS)}")
     if "verify-cost" in parts:
         verify_cost(args)
     if "workloads" in parts:
         workloads(args)
+    if "drafts" in parts:
+        draft_replays(args)
     return 0

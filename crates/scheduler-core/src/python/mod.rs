@@ -17,6 +17,7 @@ mod block_hash;
 mod convert;
 mod detokenizer;
 mod finish_reason;
+mod ngram;
 mod plan;
 mod pool;
 mod radix;
@@ -26,6 +27,7 @@ use block_hash::*;
 use convert::*;
 use detokenizer::*;
 use finish_reason::*;
+use ngram::*;
 use plan::*;
 use pool::*;
 use radix::*;
@@ -44,6 +46,7 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyRadixTree>()?;
     m.add_class::<PyTokenPool>()?;
     m.add_class::<PyDetokenizer>()?;
+    m.add_class::<PyNgramDrafter>()?;
     m.add("FUTURE_TOKEN", crate::scheduler::FUTURE_TOKEN)?;
     Ok(())
 }
