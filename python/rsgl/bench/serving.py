@@ -187,7 +187,7 @@ def gsp_requests(
 # Backends
 
 
-async def _sse_data(response: aiohttp.ClientResponse) -> AsyncIterator[str]:
+async def sse_data(response: aiohttp.ClientResponse) -> AsyncIterator[str]:
     """The payloads of an SSE stream's `data:` lines, up to (not including) `[DONE]`."""
     async for raw in response.content:
         line = raw.decode("utf-8").strip()
@@ -239,7 +239,7 @@ async def openai_completion(
             if response.status != 200:
                 result.error = _http_error(response.status, await response.text())
                 return result
-            async for data in _sse_data(response):
+            async for data in sse_data(response):
                 chunk = json.loads(data)
                 if error := _stream_error(chunk):
                     result.error = error
@@ -306,7 +306,7 @@ async def rsgl_generate(
             if response.status != 200:
                 result.error = _http_error(response.status, await response.text())
                 return result
-            async for data in _sse_data(response):
+            async for data in sse_data(response):
                 event = json.loads(data)
                 if error := _stream_error(event):
                     result.error = error
