@@ -50,10 +50,12 @@ def test_forced_lengths_and_the_verify_cost(capsys: pytest.CaptureFixture[str]) 
 
 
 def test_draft_replays_of_greedy_copies(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--parts", "drafts", "--workloads", "copy", "--replay-requests", "2"]
+    argv = ["--parts", "verify-cost,drafts", "--workloads", "copy", "--replay-requests", "2"]
     argv += ["--drafts", "1,4", "--copy-max-len", "60", "--dtype", "float32"]
+    argv += ["--batches", "1", "--steps", "2", "--input-len", "16"]
     assert speculative.main(argv) == 0
-    rows = _rows(capsys)
+    costs, rows = _split(_rows(capsys))
+    assert [r["drafts"] for r in costs] == [1, 4]
     assert [(r["workload"], r["drafts"], r["requests"]) for r in rows] == [
         ("copy", 1, 2),
         ("copy", 4, 2),
@@ -65,7 +67,20 @@ def test_draft_replays_of_greedy_copies(capsys: pytest.CaptureFixture[str]) -> N
             per_step = r[f"{drafter}_tokens_per_step"]
             assert 1.3 < per_step <= 1 + r["drafts"]  # type: ignore[operator]
             assert 0 < r[f"{drafter}_drafted_share"] <= 1  # type: ignore[operator]
+            # Over what such a verify step costs at batch 1, from the same run.
+            cost = next(c["verify_vs_decode"] for c in costs if c["drafts"] == r["drafts"])
+            assert r[f"{drafter}_vs_plain_at_batch_1"] == pytest.approx(
+                per_step / cost,  # type: ignore[operator]
+                abs=2e-3,
+            )
     assert rows[1]["chain_tokens_per_step"] > rows[0]["chain_tokens_per_step"]  # type: ignore[operator]
+
+
+def _split(
+    rows: list[dict[str, object]],
+) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
+    """verify-cost's rows, then the draft replays'."""
+    return [r for r in rows if "verify_ms" in r], [r for r in rows if "verify_ms" not in r]
 
 
 def test_the_orders_combine_into_one_cell() -> None:

@@ -32,9 +32,11 @@ from there.
 `--parts drafts` serves each workload's `--replay-requests` greedy with speculation off and
 replays the outputs through the scheduler's n-gram drafter, a tree of as many drafted tokens
 and a drafter indexing the requests before it too (`rsgl.bench.draft_replay`): the tokens
-a verify step of each `--drafts` k would commit, which do not depend on the machine's speed.
+a verify step of each `--drafts` k would commit, which do not depend on the machine's speed
+(with `verify-cost`, also over what such a step costs at batch 1: the most that drafting
+every step could give one request).
 
-    rsgl bench speculative --parts drafts --drafts 1,2,4,7
+    rsgl bench speculative --parts verify-cost,drafts --batches 1 --drafts 1,2,4,7
 """
 
 from __future__ import annotations
@@ -191,7 +193,7 @@ def free_writing_messages(count: int, seed: int = 0) -> list[list[dict[str, str]
 WORKLOADS = {"copy": copy_heavy_messages, "free": free_writing_messages}
 
 
-def verify_cost(args: argparse.Namespace) -> list[dict[str, object]]:
+def verify_cost(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Median step time of B x (1 + k) tokens against B x 1, per batch size and k."""
     batches = [int(b) for b in args.batches.split(",")]
     drafts = [int(k) for k in args.drafts.split(",")]
@@ -213,7 +215,7 @@ def verify_cost(args: argparse.Namespace) -> list[dict[str, object]]:
     for slot in range(max(batches)):
         runner.admit(slot, params, prompts[slot].tolist())
     runner.step(_prefill_plan(prompts, capacity))
-    rows: list[dict[str, object]] = []
+    rows: list[dict[str, Any]] = []
     for batch in batches:
         timings: dict[int, list[float]] = {w: [] for w in [1] + [1 + k for k in drafts]}
         # Interleaved, so that a neighbour's burst slows every width alike; every step
@@ -240,9 +242,17 @@ def verify_cost(args: argparse.Namespace) -> list[dict[str, object]]:
     return rows
 
 
-def draft_replays(args: argparse.Namespace) -> list[dict[str, Any]]:
+def draft_replays(
+    args: argparse.Namespace, costs: Sequence[dict[str, Any]] = ()
+) -> list[dict[str, Any]]:
     """Tokens a verify step of k drafts would commit, per drafter (`rsgl.bench.draft_replay`),
-    over the workloads' greedy outputs: no timing, so the drafters compare exactly."""
+    over the workloads' greedy outputs: no timing, so the drafters compare exactly. With
+    `verify_cost`'s rows (`costs`), each drafter's tokens a step over what a verify step of k
+    drafts costs at batch 1 in decode steps: the most speculation could give one request
+    drafting every step, as a multiple of plain decoding's tokens per second."""
+    batch1 = {
+        int(str(c["drafts"])): float(str(c["verify_vs_decode"])) for c in costs if c["batch"] == 1
+    }
     options: dict[str, Any] = {"dtype": args.dtype, "max_total_tokens": args.max_total_tokens}
     if args.quantization:
         options["quantization"] = args.quantization
@@ -267,6 +277,9 @@ def draft_replays(args: argparse.Namespace) -> list[dict[str, Any]]:
                     result = replay(requests, k, drafter, args.ngram_min)
                     row[f"{drafter}_tokens_per_step"] = round(result.tokens_per_step, 3)
                     row[f"{drafter}_drafted_share"] = round(result.drafted_steps / result.steps, 3)
+                    if k in batch1:
+                        gain = result.tokens_per_step / batch1[k]
+                        row[f"{drafter}_vs_plain_at_batch_1"] = round(gain, 3)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     finally:
@@ -486,10 +499,9 @@ def main(argv: list[str]) -> int:
         parser.error(f"unknown parts {sorted(unknown)}: expected verify-cost, workloads, drafts")
     if unknown := set(args.workloads.split(",")) - set(WORKLOADS):
         parser.error(f"unknown workloads {sorted(unknown)}: expected {', '.join(WORKLOADS)}")
-    if "verify-cost" in parts:
-        verify_cost(args)
+    costs = verify_cost(args) if "verify-cost" in parts else []
     if "workloads" in parts:
         workloads(args)
     if "drafts" in parts:
-        draft_replays(args)
+        draft_replays(args, costs)
     return 0
