@@ -67,7 +67,8 @@ async def one_stream(
 ) -> tuple[float, float, int]:
     """(ttft s, decode s after the first token, tokens) of one streamed completion."""
     async with session.get(f"{url}/v1/models") as resp:
-        model = (await resp.json())["data"][0]["id"]
+        resp.raise_for_status()
+        model = (await resp.json(content_type=None))["data"][0]["id"]
     body = {
         "model": model,
         "prompt": PROMPT,
@@ -100,7 +101,9 @@ def _session(connections: int) -> aiohttp.ClientSession:
     reused: llama-server (cpp-httplib) closes a kept-alive connection after a few requests,
     and a client reusing it then sees the server disconnect."""
     connector = aiohttp.TCPConnector(limit=connections, force_close=True)
-    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
+    # A stream may last minutes in all; one silent for ten has stalled.
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=600)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout)
 
 
 async def single(urls: dict[str, str], output_len: int, runs: int) -> dict[str, dict[str, Any]]:

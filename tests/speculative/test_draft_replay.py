@@ -8,7 +8,13 @@ import random
 import pytest
 
 from rsgl._core import NgramDrafter
-from rsgl.bench.draft_replay import OccurrenceIndex, check_chain, replay
+from rsgl.bench.draft_replay import (
+    OccurrenceIndex,
+    chain_proposer,
+    check_chain,
+    replay,
+    tree_proposer,
+)
 
 
 def _brute(seq: list[int], min_window: int, max_window: int, k: int) -> list[int]:
@@ -21,7 +27,11 @@ def _brute(seq: list[int], min_window: int, max_window: int, k: int) -> list[int
     return []
 
 
-@pytest.mark.parametrize(("min_window", "max_window", "k"), [(1, 12, 4), (2, 5, 2), (1, 1, 7)])
+# The last two: windows the drafter clamps (min raised to 1; max raised to min).
+WINDOWS = [(1, 12, 4), (2, 5, 2), (1, 1, 7), (0, 3, 2), (4, 2, 3)]
+
+
+@pytest.mark.parametrize(("min_window", "max_window", "k"), WINDOWS)
 def test_the_core_drafter_and_the_chain_follow_the_definition(
     min_window: int, max_window: int, k: int
 ) -> None:
@@ -32,7 +42,8 @@ def test_the_core_drafter_and_the_chain_follow_the_definition(
         drafter = NgramDrafter(min_window, max_window)
         drafter.extend(seq)
         assert len(drafter) == len(seq)
-        assert drafter.propose(k) == _brute(seq, min_window, max_window, k)
+        low = max(min_window, 1)
+        assert drafter.propose(k) == _brute(seq, low, max(max_window, low), k)
 
 
 def _index(tokens: list[int]) -> OccurrenceIndex:
@@ -66,6 +77,37 @@ def test_a_tree_votes_where_the_chain_takes_the_latest() -> None:
     assert index.tree(1) == {(3,)}
     assert index.tree(2) == {(3,), (3, 1)}
     assert index.tree(4) == {(3,), (3, 1), (3, 1, 2), (4,)}
+
+
+def test_a_step_keeps_the_drafts_on_the_outputs_path() -> None:
+    index = _index([1, 2, 3, 1, 2, 3, 1, 2, 4, 1, 2])
+    # The output goes on 3, 1, 7: the tree's two drafts (3, then 3's 1) are both kept, the
+    # chain's (4, 1) neither.
+    assert tree_proposer(2)(index, [3, 1, 7]) == (True, 2)
+    assert chain_proposer(2)(index, [3, 1, 7]) == (True, 0)
+    assert tree_proposer(2)(index, [4, 1]) == (True, 0)  # 4 is not among the two drafts
+    assert tree_proposer(4)(index, [4, 1]) == (True, 1)
+    assert chain_proposer(2)(_index([5, 6]), [5]) == (False, 0)
+
+
+def test_a_shared_index_keeps_each_requests_own_matches() -> None:
+    # The earlier request ends with [6, 7]; this one's suffix [6, 7] must not match there
+    # (its continuation is the end of that request) and hide this request's own [7] -> 4.
+    own = [2, 3, 7, 4, 9, 6, 7]
+    shared = _index([1, 5, 6, 7])
+    shared.end_request()
+    for t in own:
+        shared.push(t)
+    assert shared.chain(3) == _index(own).chain(3) == [4, 9, 6]
+    # No n-gram reaches across the end of a request (ids are never negative: the marker
+    # is), and none is followed by it ([6, 7] ends the first); [5, 6] is followed by 7.
+    assert all(min(ngram) >= 0 for ngram in shared.starts)
+    assert (6, 7) not in shared.starts and shared.starts[(5, 6)] == [3]
+
+
+def test_an_unknown_drafter_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown drafter 'trie'"):
+        replay([([1], [2])], 1, "trie")
 
 
 def test_a_copy_commits_k_plus_one_tokens_a_step() -> None:

@@ -58,7 +58,7 @@ import torch
 
 from rsgl._core import Plan
 from rsgl.args import QUANTIZATIONS
-from rsgl.bench.draft_replay import replay
+from rsgl.bench.draft_replay import DRAFTERS, replay
 from rsgl.bench.one_batch import DTYPES, _prefill_plan
 from rsgl.engine import Engine
 from rsgl.model_executor.model_runner import ModelRunner
@@ -273,10 +273,10 @@ def draft_replays(
                     "requests": len(requests),
                     "output_tokens": sum(map(len, outputs)),
                 }
-                for drafter in ("chain", "tree", "shared"):
+                for drafter in DRAFTERS:
                     result = replay(requests, k, drafter, args.ngram_min)
                     row[f"{drafter}_tokens_per_step"] = round(result.tokens_per_step, 3)
-                    row[f"{drafter}_drafted_share"] = round(result.drafted_steps / result.steps, 3)
+                    row[f"{drafter}_drafted_share"] = round(result.drafted_share, 3)
                     if k in batch1:
                         gain = result.tokens_per_step / batch1[k]
                         row[f"{drafter}_vs_plain_at_batch_1"] = round(gain, 3)
@@ -483,7 +483,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--num-draft-tokens", type=int, default=None, help="workloads: spec on (engine default)"
     )
-    parser.add_argument("--ngram-min", type=int, default=1, help="workloads: min window")
+    parser.add_argument("--ngram-min", type=int, default=1, help="workloads, drafts: min window")
     parser.add_argument(
         "--replay-requests", type=int, default=24, help="drafts: greedy outputs per workload"
     )

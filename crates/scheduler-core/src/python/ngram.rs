@@ -29,6 +29,7 @@ impl PyNgramDrafter {
         Ok(())
     }
 
+    /// Up to `k` drafts: what the scheduler would propose after these tokens.
     fn propose(&self, k: usize) -> Vec<u32> {
         self.inner.propose(k).to_vec()
     }
