@@ -11,7 +11,6 @@ from rsgl._core import NgramDrafter
 from rsgl.bench.draft_replay import (
     OccurrenceIndex,
     chain_proposer,
-    check_chain,
     replay,
     tree_proposer,
 )
@@ -25,6 +24,17 @@ def _brute(seq: list[int], min_window: int, max_window: int, k: int) -> list[int
             if seq[start : start + n] == suffix:
                 return seq[start + n : start + n + k]
     return []
+
+
+def check_chain(tokens: list[int], k: int, min_window: int, max_window: int) -> None:
+    """`OccurrenceIndex.chain` (the shared index's drafts) proposes what the scheduler's
+    drafter does after every prefix of `tokens`."""
+    ours = OccurrenceIndex(min_window, max_window)
+    core = NgramDrafter(min_window, max_window)
+    for t in tokens:
+        ours.push(t)
+        core.extend([t])
+        assert ours.chain(k) == core.propose(k), (len(ours.tokens), ours.chain(k))
 
 
 # The last two: windows the drafter clamps (min raised to 1; max raised to min).

@@ -212,14 +212,3 @@ def replay(
             index.push(token)
         result.walk(index, output, propose)
     return result
-
-
-def check_chain(tokens: Sequence[int], k: int, min_window: int = 1, max_window: int = 12) -> None:
-    """Asserts that `OccurrenceIndex.chain` proposes what the scheduler's drafter does after
-    every prefix of `tokens` (the trees and shared chains build on the same matches)."""
-    ours = OccurrenceIndex(min_window, max_window)
-    core = NgramDrafter(min_window, max_window)
-    for t in tokens:
-        ours.push(t)
-        core.extend([t])
-        assert ours.chain(k) == core.propose(k), (len(ours.tokens), ours.chain(k))

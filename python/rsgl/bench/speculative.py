@@ -250,9 +250,7 @@ def draft_replays(
     `verify_cost`'s rows (`costs`), each drafter's tokens a step over what a verify step of k
     drafts costs at batch 1 in decode steps: the most speculation could give one request
     drafting every step, as a multiple of plain decoding's tokens per second."""
-    batch1 = {
-        int(str(c["drafts"])): float(str(c["verify_vs_decode"])) for c in costs if c["batch"] == 1
-    }
+    batch1 = {c["drafts"]: c["verify_vs_decode"] for c in costs if c["batch"] == 1}
     options: dict[str, Any] = {"dtype": args.dtype, "max_total_tokens": args.max_total_tokens}
     if args.quantization:
         options["quantization"] = args.quantization
